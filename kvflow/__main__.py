@@ -1,0 +1,5 @@
+import sys
+
+from kvflow.cli import main
+
+sys.exit(main())

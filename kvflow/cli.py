@@ -1,0 +1,52 @@
+"""The ``kvflow`` command: one subcommand per component, each parsed by its own module.
+
+Each component exposes ``main(argv) -> int``; this file only dispatches, so importing the
+CLI never drags in a component's dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("kvflow.up", "start the local stack: simulated or real vLLM pods, router and gateway"),
+    "sim": ("kvflow.sim.cli", "run one vLLM-compatible simulated model server"),
+    "router": ("kvflow.router.cli", "run the endpoint picker (Envoy ext_proc server)"),
+    "gateway": ("kvflow.gateway.cli", "run the OpenAI-compatible gateway"),
+    "operator": ("kvflow.operator.cli", "run the Kubernetes operator, or render its objects"),
+    "bench": ("kvflow.benchcli", "run a benchmark from bench/"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: kvflow <command> [options]", "", "commands:"]
+    lines += [f"  {name:<9} {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
+    lines += ["", "Run 'kvflow <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        from kvflow import __version__
+
+        print(f"kvflow {__version__}")
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"kvflow: unknown command {name!r} (try 'kvflow --help')", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    try:
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

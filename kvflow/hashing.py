@@ -1,0 +1,104 @@
+"""Prefix-cache block hashing, computed exactly as vLLM's v1 KV-cache manager does.
+
+vLLM (``vllm/v1/core/kv_cache_utils.py``) hashes a request's tokens in full blocks of
+``block_size`` tokens. Each block's hash chains its parent's::
+
+    hash(block_i) = H((hash(block_{i-1}) or NONE_HASH, tuple(block_i_token_ids), extra_keys))
+
+where ``H`` is the ``--prefix-caching-hash-algo`` function (default ``sha256``: SHA-256 over
+``pickle.dumps(obj, protocol=HIGHEST_PROTOCOL)``; ``sha256_cbor``: SHA-256 over canonical CBOR)
+and ``NONE_HASH = H(PYTHONHASHSEED)`` (the seed *string*). A partial trailing block is never
+hashed. KV events publish each hash in its external form: by default the last 8 bytes as a
+big-endian unsigned int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+
+The simulator and the router share this module, so a hash the router computes for a prompt
+equals the hash a pod publishes in its KV events for the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any, Literal, NewType
+
+import cbor2
+
+BlockHash = NewType("BlockHash", bytes)
+"""The full 32-byte hash vLLM keeps internally."""
+
+ExternalBlockHash = int | bytes
+"""The form a hash takes in published KV events."""
+
+HashAlgo = Literal["sha256", "sha256_cbor"]
+HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")
+DEFAULT_SEED = "0"
+DEFAULT_ALGO: HashAlgo = "sha256"
+
+HashFn = Callable[[Any], bytes]
+
+
+def sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+_HASH_FNS: dict[str, HashFn] = {"sha256": sha256_pickle, "sha256_cbor": sha256_cbor}
+
+
+def hash_fn(algo: str) -> HashFn:
+    try:
+        return _HASH_FNS[algo]
+    except KeyError:
+        raise ValueError(f"unknown prefix-caching hash algo {algo!r}; expected one of {HASH_ALGOS}") from None
+
+
+@lru_cache(maxsize=64)
+def none_hash(seed: str, algo: str = DEFAULT_ALGO) -> BlockHash:
+    """The parent of the first block: the hash of the PYTHONHASHSEED string."""
+    return BlockHash(hash_fn(algo)(seed))
+
+
+def hash_block_tokens(
+    fn: HashFn,
+    parent: BlockHash,
+    token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    return BlockHash(fn((parent, tuple(token_ids), extra_keys)))
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    seed: str = DEFAULT_SEED,
+    algo: str = DEFAULT_ALGO,
+    extra_keys: tuple[Any, ...] | None = None,
+    max_blocks: int | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids`` (at most ``max_blocks``).
+
+    ``extra_keys`` applies to every block, as vLLM does for a LoRA name or a cache salt
+    (vLLM adds the cache salt to the first block only; pass it via ``first_block_extra``
+    semantics in ``BlockHasher`` when needed).
+    """
+    fn = hash_fn(algo)
+    parent = none_hash(seed, algo)
+    n_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        n_blocks = min(n_blocks, max_blocks)
+    hashes: list[BlockHash] = []
+    for i in range(n_blocks):
+        parent = hash_block_tokens(fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+def to_external(block_hash: BlockHash, *, as_int: bool = True) -> ExternalBlockHash:
+    """The form vLLM publishes in KV events: the last 8 bytes as a big-endian int by default."""
+    return int.from_bytes(block_hash[-8:], "big") if as_int else bytes(block_hash)

@@ -1,0 +1,133 @@
+"""Start, watch and stop kvflow's child processes (the local stack and integration tests).
+
+Every child runs in its own process group, so stopping it also stops anything it spawned;
+``ProcessGroup`` is a context manager, so a test or ``kvflow up`` that fails half-way still
+stops what it started. This is control-plane code, not the data path: it may block.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+
+class StartupError(RuntimeError):
+    """A child exited or did not become ready in time; the message ends with its log's tail."""
+
+
+def kvflow_argv(*args: str) -> list[str]:
+    """The command line that runs ``kvflow ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "kvflow", *args]
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return bool(200 <= response.status < 300)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    ready_url: str | None = None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class ProcessGroup:
+    """Children started together and stopped together (in reverse order)."""
+
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        ready_url: str | None = None,
+    ) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        log = log_path.open("wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        popen = subprocess.Popen(
+            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, start_new_session=True,
+        )
+        log.close()
+        child = Child(name, list(argv), popen, log_path, ready_url)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, timeout: float = 30.0, children: Sequence[Child] | None = None) -> None:
+        """Block until every child's ready URL answers 2xx; raise StartupError otherwise."""
+        pending = [c for c in (children or self.children) if c.ready_url]
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while pending:
+            for child in list(pending):
+                if not child.alive():
+                    raise StartupError(f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}")
+                if http_ok(child.ready_url or ""):
+                    pending.remove(child)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise StartupError(f"not ready after {timeout:.0f}s: {names}\n{pending[0].log_tail()}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+
+    def stop(self, child: Child, *, grace: float = 5.0, sig: int = signal.SIGTERM) -> None:
+        if child.alive():
+            _signal_group(child.popen.pid, sig)
+            try:
+                child.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(child.popen.pid, signal.SIGKILL)
+                child.popen.wait(timeout=5)
+        else:
+            _signal_group(child.popen.pid, signal.SIGKILL)  # anything it left behind
+
+    def stop_all(self, grace: float = 5.0) -> None:
+        for child in reversed(self.children):
+            self.stop(child, grace=grace)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop_all()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

