@@ -3,16 +3,20 @@
 vLLM (``vllm/v1/core/kv_cache_utils.py``) hashes a request's tokens in full blocks of
 ``block_size`` tokens. Each block's hash chains its parent's::
 
-    hash(block_i) = H((hash(block_{i-1}) or NONE_HASH, tuple(block_i_token_ids), extra_keys))
+    hash(block_i) = H((hash(block_{i-1}) or NONE_HASH, tuple(block_i_token_ids), extra_keys_i))
 
 where ``H`` is the ``--prefix-caching-hash-algo`` function (default ``sha256``: SHA-256 over
 ``pickle.dumps(obj, protocol=HIGHEST_PROTOCOL)``; ``sha256_cbor``: SHA-256 over canonical CBOR)
-and ``NONE_HASH = H(PYTHONHASHSEED)`` (the seed *string*). A partial trailing block is never
-hashed. KV events publish each hash in its external form: by default the last 8 bytes as a
-big-endian unsigned int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+and ``NONE_HASH = H(seed)`` where the seed is the ``PYTHONHASHSEED`` *string* if set, else
+``"vllm-none-hash"`` for the sha256 algorithms. ``extra_keys_i`` is ``None`` or a tuple of
+tagged keys in this order: ``("lora", name, path)`` on every block of a LoRA request, then
+``("cache_salt", salt)`` on block 0 only. A partial trailing block is never hashed. KV events
+publish each hash in its external form: by default the last 8 bytes as a big-endian unsigned
+int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), else the raw 32 bytes.
 
 The simulator and the router share this module, so a hash the router computes for a prompt
-equals the hash a pod publishes in its KV events for the same tokens.
+equals the hash a pod publishes in its KV events for the same tokens; tests/golden holds
+events captured from a real vLLM 0.32.0 that pin this (tests/test_realvllm_golden.py).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ ExternalBlockHash = int | bytes
 
 HashAlgo = Literal["sha256", "sha256_cbor"]
 HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")
-DEFAULT_SEED = "0"
+DEFAULT_SEED = "0"  # kvflow starts every vLLM with PYTHONHASHSEED=0 (kvflow.realvllm)
+VLLM_UNSET_SEED = "vllm-none-hash"  # vLLM's seed for sha256/sha256_cbor when PYTHONHASHSEED is unset
 DEFAULT_ALGO: HashAlgo = "sha256"
 
 HashFn = Callable[[Any], bytes]
@@ -72,6 +77,22 @@ def hash_block_tokens(
     return BlockHash(fn((parent, tuple(token_ids), extra_keys)))
 
 
+def block_extra_keys(
+    block_index: int, *, lora: tuple[str, str] | None = None, cache_salt: str | None = None
+) -> tuple[Any, ...] | None:
+    """The tagged extra keys vLLM hashes into one block (``generate_block_hash_extra_keys``).
+
+    ``lora`` is ``(lora_name, lora_path)``: vLLM keys on the adapter's path too, so the router
+    must know the path the pod loaded the adapter from. The cache salt keys block 0 only.
+    """
+    keys: list[tuple[str, ...]] = []
+    if lora is not None:
+        keys.append(("lora", lora[0], lora[1]))
+    if cache_salt and block_index == 0:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,
@@ -80,13 +101,17 @@ def hash_request_tokens(
     algo: str = DEFAULT_ALGO,
     extra_keys: tuple[Any, ...] | None = None,
     max_blocks: int | None = None,
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids`` (at most ``max_blocks``).
 
-    ``extra_keys`` applies to every block, as vLLM does for a LoRA name or a cache salt
-    (vLLM adds the cache salt to the first block only; pass it via ``first_block_extra``
-    semantics in ``BlockHasher`` when needed).
+    ``lora`` and ``cache_salt`` build the per-block keys exactly as vLLM does (see
+    ``block_extra_keys``). ``extra_keys`` is a raw override applied to every block, for callers
+    that already hold vLLM's tagged tuple; it cannot be combined with ``lora``/``cache_salt``.
     """
+    if extra_keys is not None and (lora is not None or cache_salt):
+        raise ValueError("pass either extra_keys or lora/cache_salt, not both")
     fn = hash_fn(algo)
     parent = none_hash(seed, algo)
     n_blocks = len(token_ids) // block_size
@@ -94,7 +119,8 @@ def hash_request_tokens(
         n_blocks = min(n_blocks, max_blocks)
     hashes: list[BlockHash] = []
     for i in range(n_blocks):
-        parent = hash_block_tokens(fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        keys = extra_keys if extra_keys is not None else block_extra_keys(i, lora=lora, cache_salt=cache_salt)
+        parent = hash_block_tokens(fn, parent, token_ids[i * block_size : (i + 1) * block_size], keys)
         hashes.append(parent)
     return hashes
 

@@ -1,0 +1,154 @@
+"""``kvflow router``: the ext_proc endpoint picker, with /metrics and a decision debug endpoint.
+
+    kvflow router --endpoint 127.0.0.2:8000 --endpoint 127.0.0.3:8000 --profile default \\
+        --port 9002 --metrics-port 9090
+    kvflow router --config router.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvflow.router.config import load_config, read_source
+from kvflow.router.extproc import serve
+from kvflow.router.router import Router
+from kvflow.tokenizer import load_tokenizer
+from kvflow.types import Endpoint, Role, parse_host_port
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvflow router", description="Envoy ext_proc endpoint picker for vLLM pools")
+    p.add_argument("--config", help="router config (YAML or JSON)")
+    p.add_argument("--endpoint", action="append", default=[], metavar="HOST:PORT", help="a pod serving both roles")
+    p.add_argument("--prefill-endpoint", action="append", default=[], metavar="HOST:PORT", help="a prefill pod")
+    p.add_argument("--decode-endpoint", action="append", default=[], metavar="HOST:PORT", help="a decode pod")
+    p.add_argument("--model", action="append", default=[], help="model names the pods serve (default: any)")
+    p.add_argument("--profile", default=None, help="scheduling profile (default: the config's defaultProfile)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port")
+    p.add_argument("--metrics-port", type=int, default=9090, help="/metrics and /debug/decisions (0: off)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: kvflow's built-in)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--kv-events-port", type=int, default=None, help="pods publish KV events on this port")
+    p.add_argument("--no-kv-events", action="store_true", help="do not subscribe to KV events")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(list(argv))
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[dict[str, object], list[Endpoint]]:
+    raw: dict[str, object] = {}
+    if args.config:
+        raw = dict(read_source(args.config))
+    if args.block_size is not None:
+        raw["blockSize"] = args.block_size
+    kv = dict(raw.get("kvEvents") or {})  # type: ignore[call-overload]
+    if args.kv_events_port is not None:
+        kv["port"] = args.kv_events_port
+    if args.no_kv_events:
+        kv["enabled"] = False
+    if kv:
+        raw["kvEvents"] = kv
+    models = frozenset(args.model)
+    endpoints = [
+        Endpoint(*parse_host_port(text), role=role, models=models)
+        for role, texts in (
+            (Role.BOTH, args.endpoint),
+            (Role.PREFILL, args.prefill_endpoint),
+            (Role.DECODE, args.decode_endpoint),
+        )
+        for text in texts
+    ]
+    return raw, endpoints
+
+
+def metrics_app(router: Router) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        router.metrics.flush_scores()
+        for view in router.datastore.snapshot():
+            router.metrics.in_flight.labels(router.config.pool_name, view.id).set(view.in_flight)
+            router.metrics.healthy.labels(router.config.pool_name, view.id).set(1 if view.healthy else 0)
+        router.metrics.index_blocks.labels(router.config.pool_name, "approx").set(len(router.approx))
+        router.metrics.index_blocks.labels(router.config.pool_name, "precise").set(len(router.precise))
+        return web.Response(
+            body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def decisions(request: web.Request) -> web.Response:
+        n = int(request.query.get("n", "10"))
+        return web.json_response(router.explain(n))
+
+    async def endpoints(_: web.Request) -> web.Response:
+        return web.json_response(
+            [
+                {
+                    "endpoint": v.id,
+                    "role": str(v.endpoint.role),
+                    "healthy": v.healthy,
+                    "in_flight": v.in_flight,
+                    "running": v.metrics.running,
+                    "waiting": v.metrics.waiting,
+                    "kv_usage": v.metrics.kv_usage,
+                }
+                for v in router.datastore.snapshot()
+            ]
+        )
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/decisions", decisions)
+    app.router.add_get("/debug/endpoints", endpoints)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+async def run(args: argparse.Namespace) -> int:
+    raw, endpoints = config_from_args(args)
+    config = load_config(raw)
+    if not endpoints and not config.endpoints and config.kubernetes is None:
+        raise SystemExit("kvflow router: no endpoints (use --endpoint or a config with pool.endpoints)")
+    router = Router(
+        config, endpoints, profile=args.profile or config.default_profile, tokenizer=load_tokenizer(args.tokenizer)
+    )
+    await router.start()  # also watches the pool's pods when the config names a Kubernetes pool
+    server = await serve(router, args.host, args.port)
+    runner = None
+    if args.metrics_port:
+        runner = web.AppRunner(metrics_app(router), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.metrics_port).start()
+    logging.getLogger("kvflow.router").info(
+        "router: ext_proc on %s:%d, profile %s, %d endpoints",
+        args.host,
+        args.port,
+        router.profile,
+        len(router.endpoints),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1)
+    if runner is not None:
+        await runner.cleanup()
+    await router.stop()
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(run(args))
+    return 130

@@ -1,0 +1,138 @@
+"""The live set of endpoints and their freshest state; ``snapshot()`` freezes it for a cycle.
+
+Writers are the async collectors (metrics scraper, Kubernetes watch) and the router's own
+accounting (requests started/finished, endpoints the gateway saw fail). All run on one event
+loop, so plain attributes suffice; the snapshot is rebuilt only when something changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from kvflow.router.model import EndpointView, EngineMetrics
+from kvflow.types import Endpoint, EndpointId
+
+
+@dataclass(slots=True)
+class _State:
+    endpoint: Endpoint
+    metrics: EngineMetrics
+    scrape_ok: bool = True
+    """Optimistic until the first failure: an unscraped pool still routes."""
+    marked_failed: bool = False
+    last_ok: float | None = None
+    in_flight: int = 0
+    dispatched: int = 0
+
+    def view(self) -> EndpointView:
+        return EndpointView(
+            self.endpoint, self.metrics, self.scrape_ok and not self.marked_failed, self.in_flight, self.dispatched
+        )
+
+
+Listener = Callable[[Endpoint, bool], None]
+"""Called with (endpoint, added) when the set changes."""
+
+
+class Datastore:
+    def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
+        self._states: dict[EndpointId, _State] = {}
+        self._snapshot: tuple[EndpointView, ...] | None = None
+        self._listeners: list[Listener] = []
+        self.set_endpoints(endpoints)
+
+    # -- the set ---------------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(s.endpoint for s in self._states.values())
+
+    def get(self, endpoint_id: EndpointId) -> Endpoint | None:
+        state = self._states.get(endpoint_id)
+        return state.endpoint if state else None
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        wanted = {ep.id: ep for ep in endpoints}
+        for eid in [eid for eid in self._states if eid not in wanted]:
+            gone = self._states.pop(eid).endpoint
+            self._notify(gone, False)
+        for eid, ep in wanted.items():
+            state = self._states.get(eid)
+            if state is None:
+                self._states[eid] = _State(ep, EngineMetrics())
+                self._notify(ep, True)
+            elif state.endpoint != ep:
+                state.endpoint = ep  # role or models changed: same pod, same cache
+        self._snapshot = None
+
+    def _notify(self, endpoint: Endpoint, added: bool) -> None:
+        for listener in self._listeners:
+            listener(endpoint, added)
+
+    # -- collectors ------------------------------------------------------------------------
+
+    def record_scrape(self, endpoint_id: EndpointId, metrics: EngineMetrics, now: float) -> None:
+        state = self._states.get(endpoint_id)
+        if state is None:
+            return
+        state.metrics = metrics
+        state.scrape_ok = True
+        state.marked_failed = False
+        state.last_ok = now
+        state.dispatched = 0  # the metrics now include what was sent before
+        self._snapshot = None
+
+    def record_failure(self, endpoint_id: EndpointId) -> None:
+        state = self._states.get(endpoint_id)
+        if state is not None and state.scrape_ok:
+            state.scrape_ok = False
+            self._snapshot = None
+
+    def expire(self, now: float, stale_after: float) -> None:
+        """Endpoints not scraped successfully for ``stale_after`` seconds drop out."""
+        for state in self._states.values():
+            if state.scrape_ok and state.last_ok is not None and now - state.last_ok > stale_after:
+                state.scrape_ok = False
+                self._snapshot = None
+
+    def mark_failed(self, endpoint_id: EndpointId) -> None:
+        state = self._states.get(endpoint_id)
+        if state is not None and not state.marked_failed:
+            state.marked_failed = True
+            self._snapshot = None
+
+    # -- request accounting ----------------------------------------------------------------
+
+    def started(self, endpoint_id: EndpointId) -> None:
+        state = self._states.get(endpoint_id)
+        if state is not None:
+            state.in_flight += 1
+            state.dispatched += 1
+            self._snapshot = None
+
+    def finished(self, endpoint_id: EndpointId) -> None:
+        state = self._states.get(endpoint_id)
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
+            state.dispatched = max(0, state.dispatched - 1)
+            self._snapshot = None
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[EndpointView, ...]:
+        if self._snapshot is None:
+            self._snapshot = tuple(s.view() for s in self._states.values())
+        return self._snapshot
+
+    def view(self, endpoint_id: EndpointId) -> EndpointView | None:
+        state = self._states.get(endpoint_id)
+        return state.view() if state else None
+
+
+def with_metrics(views: Sequence[EndpointView], **changes: object) -> tuple[EndpointView, ...]:
+    """Test helper: the same views with metrics fields replaced."""
+    return tuple(replace(v, metrics=replace(v.metrics, **changes)) for v in views)  # type: ignore[arg-type]

@@ -1,0 +1,146 @@
+"""The scheduling framework: filters → weighted scorers → picker, composed into profiles.
+
+Shaped after the Gateway API Inference Extension's endpoint picker
+(``pkg/epp/framework/interface/scheduling/plugins.go``): plugins are small objects behind the
+Protocols below, named and weighted in the config (``config.py``), built by a registry of
+factories (``plugins/``). A scorer returns a score in [0, 1] per endpoint (the runner clamps
+it); a profile's total is the weighted sum; the picker orders the endpoints. A profile handler
+(``pd.py``) decides which profiles run for a request — one, or decode then prefill.
+
+A cycle is synchronous and reads only its ``Cycle`` (the request, its lazily computed block
+hashes, a seeded RNG) and a frozen snapshot of endpoints, so it is deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from kvflow.errors import NoCapacityError
+from kvflow.router.hashcache import RequestHashes
+from kvflow.router.model import EndpointView, SchedulingRequest, SchedulingResult
+from kvflow.types import EndpointId
+
+
+@dataclass(slots=True)
+class Cycle:
+    """Per-request state shared by the plugins of one scheduling cycle."""
+
+    request: SchedulingRequest
+    hashes: RequestHashes
+    rng: random.Random
+    block_size: int
+    data: dict[str, Any] = field(default_factory=dict)
+    """Scratch space plugins share, e.g. prefix matches (``prefix:<kind>``) for the P/D decider."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.token_ids)
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]: ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]: ...
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(self, cycle: Cycle, scored: Sequence[tuple[EndpointView, float]]) -> list[EndpointView]:
+        """Endpoints in preference order: the pick first, then fallbacks."""
+        ...
+
+
+@runtime_checkable
+class StartedHook(Protocol):
+    """A plugin that learns from decisions once the request is really sent (session affinity)."""
+
+    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRun:
+    """What one profile decided, with the evidence the debug endpoint explains."""
+
+    profile: str
+    targets: tuple[EndpointView, ...]
+    totals: Mapping[EndpointId, float]
+    scores: Mapping[EndpointId, Mapping[str, float]]
+    filtered: Mapping[str, int]
+    """Endpoints left after each filter."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    filters: tuple[Filter, ...]
+    scorers: tuple[tuple[Scorer, float], ...]
+    picker: Picker
+
+    def run(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> ProfileRun:
+        candidates = endpoints
+        filtered: dict[str, int] = {}
+        for f in self.filters:
+            candidates = f.filter(cycle, candidates)
+            filtered[f.name] = len(candidates)
+            if not candidates:
+                raise NoCapacityError(f"no endpoint can serve model {cycle.request.model!r} (filter {f.name})")
+        ids = [ep.id for ep in candidates]
+        totals: dict[EndpointId, float] = dict.fromkeys(ids, 0.0)
+        by_scorer: dict[str, dict[EndpointId, float]] = {}
+        for scorer, weight in self.scorers:
+            got = scorer.score(cycle, candidates)
+            if len(got) == len(ids) and got and 0.0 <= min(got.values()) and max(got.values()) <= 1.0:
+                clamped = dict(got)  # the common case: a well-behaved scorer, nothing to clamp
+            else:
+                clamped = {eid: _clamp(got.get(eid, 0.0)) for eid in ids}
+            by_scorer[scorer.name] = clamped
+            for eid, s in clamped.items():
+                totals[eid] += weight * s
+        scores = _PerEndpoint(by_scorer, ids)
+        ordered = self.picker.pick(cycle, [(ep, totals[ep.id]) for ep in candidates])
+        return ProfileRun(self.name, tuple(ordered), totals, scores, filtered)
+
+
+def _clamp(s: float) -> float:
+    return 0.0 if s < 0.0 else 1.0 if s > 1.0 else float(s)
+
+
+class _PerEndpoint(Mapping[EndpointId, Mapping[str, float]]):
+    """Scores by endpoint, transposed from scores by scorer only when read (debug, metrics)."""
+
+    __slots__ = ("_by_scorer", "_ids")
+
+    def __init__(self, by_scorer: dict[str, dict[EndpointId, float]], ids: list[EndpointId]) -> None:
+        self._by_scorer = by_scorer
+        self._ids = ids
+
+    def __getitem__(self, eid: EndpointId) -> Mapping[str, float]:
+        if eid not in self._ids:  # a linear scan, but only debug output reads this
+            raise KeyError(eid)
+        return {name: per[eid] for name, per in self._by_scorer.items()}
+
+    def __iter__(self) -> Iterator[EndpointId]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def min_max_inverse(values: Mapping[EndpointId, float]) -> dict[EndpointId, float]:
+    """Lowest value → 1, highest → 0, linear between; all equal → 1 (nothing to prefer)."""
+    if not values:
+        return {}
+    lo, hi = min(values.values()), max(values.values())
+    if hi == lo:
+        return dict.fromkeys(values, 1.0)
+    return {k: (hi - v) / (hi - lo) for k, v in values.items()}

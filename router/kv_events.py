@@ -1,0 +1,239 @@
+"""vLLM KV events over ZMQ → the precise prefix index.
+
+vLLM (``vllm/distributed/kv_events.py``) publishes on a ZMQ PUB socket, one multipart message
+per batch: ``[topic, seq (8-byte big-endian), payload]``. The payload is msgpack of an
+``array_like`` msgspec struct ``[ts, [event, ...], dp_rank?]``; each event is a map tagged by
+``"type"`` (``{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ..., ...}``,
+``BlockRemoved``, ``AllBlocksCleared``), as vLLM 0.32 sends them (docs/vllm-protocols.md).
+Older vLLM versions made events ``array_like`` too (``["BlockStored", hashes, parent, ...]``);
+both decode, and unknown extra fields are ignored. Hashes arrive as ints (the default) or as
+32-byte digests; both become the int form ``kvflow.hashing.to_external`` gives.
+
+The router connects one SUB socket to each pod's publisher (vLLM binds ``tcp://*:5557``). A
+sequence number that goes backwards means the pod restarted with an empty cache: its blocks
+are cleared from the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
+from kvflow.types import Endpoint, EndpointId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent: int | None
+    block_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def _ext(h: Any) -> int:
+    if isinstance(h, (bytes, bytearray)):
+        return int.from_bytes(bytes(h)[-8:], "big")
+    return int(h)
+
+
+_POSITIONS = {"block_hashes": 0, "parent_block_hash": 1, "block_size": 3}
+
+
+def _fields(raw: Any) -> tuple[Any, Any]:
+    """(tag, field getter) for a map-tagged or array-tagged event."""
+    if isinstance(raw, dict):
+        return raw.get("type"), raw.get
+    if isinstance(raw, (list, tuple)) and raw:
+        rest = raw[1:]
+
+        def get(name: str, default: Any = None) -> Any:
+            i = _POSITIONS[name]
+            return rest[i] if i < len(rest) else default
+
+        return raw[0], get
+    return None, None
+
+
+def decode_event(raw: Any) -> KvEvent | None:
+    tag, get = _fields(raw)
+    if tag == "BlockStored":
+        parent = get("parent_block_hash")
+        size = get("block_size")
+        return BlockStored(
+            tuple(_ext(h) for h in get("block_hashes") or ()),
+            None if parent is None else _ext(parent),
+            size if isinstance(size, int) else None,
+        )
+    if tag == "BlockRemoved":
+        return BlockRemoved(tuple(_ext(h) for h in get("block_hashes") or ()))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> list[KvEvent]:
+    """One published payload → its events; unknown event types are skipped."""
+    batch = msgspec.msgpack.decode(payload)
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        raise ValueError("KV event batch is not [ts, events, ...]")
+    return [e for e in (decode_event(raw) for raw in batch[1]) if e is not None]
+
+
+def apply(
+    index: PrefixIndex, endpoint: EndpointId, events: list[KvEvent], speculative: SpeculativeIndex | None = None
+) -> None:
+    """Events into the index; a guess about a block (speculative) ends once an event speaks of it."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            index.add(endpoint, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            index.remove(endpoint, event.block_hashes)
+        else:
+            index.clear(endpoint)
+            if speculative is not None:
+                speculative.clear(endpoint)
+            continue
+        if speculative is not None:
+            speculative.index.remove(endpoint, event.block_hashes)
+
+
+Counted = Callable[[EndpointId, str], None]
+
+
+class KvEventSubscriber:
+    """One SUB socket and task per endpoint, feeding one ``PrefixIndex``."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        on_event: Counted | None = None,
+        speculative: SpeculativeIndex | None = None,
+        heard: set[EndpointId] | None = None,
+    ) -> None:
+        self.index = index
+        self.on_event = on_event
+        self.speculative = speculative
+        self.heard: set[EndpointId] = heard if heard is not None else set()
+        """Endpoints that have sent at least one batch."""
+        self._ctx = zmq.asyncio.Context()
+        self._tasks: dict[EndpointId, asyncio.Task[None]] = {}
+        self.last_seq: dict[EndpointId, int] = {}
+
+    def add(self, endpoint: Endpoint, address: str, replay: str | None = None) -> None:
+        """Subscribe to ``address``; ``replay`` is the pod's replay socket, asked for missed batches."""
+        if endpoint.id not in self._tasks:
+            self._tasks[endpoint.id] = asyncio.create_task(
+                self._run(endpoint.id, address, replay), name=f"kv-events {address}"
+            )
+
+    async def remove(self, endpoint_id: EndpointId) -> None:
+        task = self._tasks.pop(endpoint_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.index.clear(endpoint_id)
+        self.last_seq.pop(endpoint_id, None)
+        self.heard.discard(endpoint_id)
+
+    async def close(self) -> None:
+        for eid in list(self._tasks):
+            await self.remove(eid)
+        self._ctx.destroy(linger=0)
+
+    async def _run(self, endpoint_id: EndpointId, address: str, replay: str | None) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) < 2:
+                    continue
+                seq = int.from_bytes(frames[1], "big") if len(frames) >= 3 and len(frames[1]) == 8 else None
+                last = self.last_seq.get(endpoint_id)
+                if replay and seq is not None and last is not None and seq > last + 1:
+                    await self._replay(endpoint_id, replay, last + 1, seq)
+                self._handle(endpoint_id, seq, frames[-1])
+        finally:
+            sock.close(linger=0)
+
+    async def _replay(self, endpoint_id: EndpointId, address: str, first: int, upto: int) -> None:
+        """Fetch and apply batches ``first .. upto-1`` from the pod's replay socket.
+
+        The PUB socket drops messages past its high-water mark; without the missed
+        ``BlockRemoved`` events the index would believe in evicted blocks forever.
+        """
+        try:
+            batches = await fetch_replay(self._ctx, address, first)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning("KV-event replay from %s failed (%s): %d batches lost", endpoint_id, exc, upto - first)
+            return
+        for seq, payload in batches:
+            if first <= seq < upto:
+                self._handle(endpoint_id, seq, payload)
+
+    def _handle(self, endpoint_id: EndpointId, seq: int | None, payload: bytes) -> None:
+        if seq is not None:
+            last = self.last_seq.get(endpoint_id)
+            if last is not None and seq <= last:
+                # The publisher restarted: whatever we knew about its cache is gone.
+                self.index.clear(endpoint_id)
+            self.last_seq[endpoint_id] = seq
+        try:
+            events = decode_batch(payload)
+        except (msgspec.DecodeError, ValueError, TypeError, IndexError) as exc:
+            log.warning("undecodable KV event batch from %s: %s", endpoint_id, exc)
+            return
+        self.heard.add(endpoint_id)
+        apply(self.index, endpoint_id, events, self.speculative)
+        if self.on_event is not None:
+            for event in events:
+                self.on_event(endpoint_id, type(event).__name__)
+
+
+REPLAY_END = (-1).to_bytes(8, "big", signed=True)
+
+
+async def fetch_replay(
+    ctx: zmq.asyncio.Context, address: str, start: int, *, timeout: float = 1.0
+) -> list[tuple[int, bytes]]:
+    """vLLM's replay protocol: send ``[b"", start seq]`` to its ROUTER socket; it answers
+    ``[b"", topic, seq, payload]`` per buffered batch, then ``[b"", b"", -1 (8 bytes), b""]``."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        await sock.send_multipart([b"", start.to_bytes(8, "big")])
+        batches: list[tuple[int, bytes]] = []
+        while True:
+            frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+            if len(frames) < 2 or frames[-2] == REPLAY_END:
+                return batches
+            batches.append((int.from_bytes(frames[-2], "big"), frames[-1]))
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,142 @@
+"""The router's Prometheus metrics and the decision log behind the debug endpoint.
+
+Each Router owns a registry (tests and benchmarks run many routers in one process); the CLI
+serves it on ``--metrics-port`` with ``/metrics`` and ``/debug/decisions?n=N``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvflow.router.model import SchedulingRequest
+from kvflow.router.pd import Decision
+
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class RouterMetrics:
+    def __init__(self, pool: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.pool = pool
+        self.decisions = Counter(
+            "kvflow_router_decisions",
+            "Scheduling decisions by profile and result",
+            ["pool", "profile", "result"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvflow_router_scheduling_seconds",
+            "Time to take one scheduling decision",
+            ["pool", "profile"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvflow_router_prompt_tokens", "Prompt tokens scheduled", ["pool"], registry=r)
+        self.cached_tokens = Counter(
+            "kvflow_router_cached_tokens", "Prompt tokens the router believed cached on its pick", ["pool"], registry=r
+        )
+        self.hit_ratio = Gauge(
+            "kvflow_router_prefix_hit_ratio", "Cached / prompt tokens over all decisions", ["pool"], registry=r
+        )
+        self.scores = Gauge(
+            "kvflow_router_endpoint_score",
+            "Each endpoint's score in the last decision, per scorer",
+            ["pool", "endpoint", "scorer"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvflow_router_endpoint_in_flight", "Requests in flight", ["pool", "endpoint"], registry=r
+        )
+        self.healthy = Gauge("kvflow_router_endpoint_healthy", "1 if routable", ["pool", "endpoint"], registry=r)
+        self.kv_events = Counter(
+            "kvflow_router_kv_events", "KV events applied", ["pool", "endpoint", "type"], registry=r
+        )
+        self.index_blocks = Gauge(
+            "kvflow_router_prefix_index_blocks", "Distinct blocks in a prefix index", ["pool", "index"], registry=r
+        )
+        self._prompt = 0
+        self._cached = 0
+        self._last: Decision | None = None
+
+    def decided(self, decision: Decision, seconds: float, prompt_tokens: int) -> None:
+        res = decision.result
+        kind = "disaggregated" if res.prefill is not None else "aggregated"
+        self.decisions.labels(self.pool, res.profile, kind).inc()
+        self.latency.labels(self.pool, res.profile).observe(seconds)
+        self.prompt_tokens.labels(self.pool).inc(prompt_tokens)
+        self.cached_tokens.labels(self.pool).inc(res.cached_tokens)
+        self._prompt += prompt_tokens
+        self._cached += res.cached_tokens
+        if self._prompt:
+            self.hit_ratio.labels(self.pool).set(self._cached / self._prompt)
+        # Per-endpoint gauges are set when /metrics is read: hundreds of label lookups per
+        # decision would cost more than the decision itself.
+        self._last = decision
+
+    def flush_scores(self) -> None:
+        decision, self._last = self._last, None
+        if decision is None:
+            return
+        for run in decision.runs:
+            for eid, per in run.scores.items():
+                for scorer, s in per.items():
+                    self.scores.labels(self.pool, eid, scorer).set(s)
+
+    def failed(self, profile: str, result: str, seconds: float) -> None:
+        self.decisions.labels(self.pool, profile, result).inc()
+        self.latency.labels(self.pool, profile).observe(seconds)
+
+
+class DecisionLog:
+    """The last N decisions, each with every endpoint's per-scorer scores: 'why that pod?'."""
+
+    def __init__(self, size: int = 100) -> None:
+        # Raw records; rendering to JSON-able dicts happens only when someone asks.
+        self._entries: deque[tuple[float, SchedulingRequest, Decision | None, float, str | None]] = deque(maxlen=size)
+
+    def add(
+        self, request: SchedulingRequest, decision: Decision | None, seconds: float, error: str | None = None
+    ) -> None:
+        self._entries.append((time.time(), request, decision, seconds, error))
+
+    def last(self, n: int = 10) -> list[dict[str, Any]]:
+        return [render(*entry) for entry in list(self._entries)[-n:][::-1]]
+
+
+def render(
+    when: float, request: SchedulingRequest, decision: Decision | None, seconds: float, error: str | None
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "time": when,
+        "request_id": request.request_id,
+        "model": request.model,
+        "prompt_tokens": len(request.token_ids),
+        "micros": round(seconds * 1e6, 1),
+    }
+    if error is not None:
+        entry["error"] = error
+    if decision is not None:
+        res = decision.result
+        entry |= {
+            "profile": res.profile,
+            "targets": [t.id for t in res.targets],
+            "prefill": res.prefill.id if res.prefill else None,
+            "cached_tokens": res.cached_tokens,
+            "runs": [
+                {
+                    "profile": run.profile,
+                    "filters": dict(run.filtered),
+                    "endpoints": {
+                        eid: {"total": round(run.totals[eid], 4), "scores": {k: round(v, 4) for k, v in s.items()}}
+                        for eid, s in run.scores.items()
+                    },
+                }
+                for run in decision.runs
+            ],
+        }
+    return entry

@@ -1,0 +1,23 @@
+"""Fewer requests in flight from this router scores higher.
+
+Unlike scraped metrics this count is exact and current, which is what keeps load even when
+requests arrive faster than the scrape interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvflow.router.framework import Cycle, min_max_inverse
+from kvflow.router.model import EndpointView
+from kvflow.router.plugins.registry import NoParams, PluginContext, register
+from kvflow.types import EndpointId
+
+
+@register("active-request-scorer", "scorer")
+class ActiveRequestScorer:
+    def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
+        self.name = name
+
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
+        return min_max_inverse({ep.id: float(ep.in_flight) for ep in endpoints})

@@ -1,0 +1,94 @@
+"""Prefix-cache scorers: the share of the prompt's blocks already cached on each endpoint.
+
+``prefix-cache-scorer`` reads the approximate index (what the router routed, LRU-bounded);
+``precise-prefix-cache-scorer`` reads the index fed by the pods' KV events, topped up with
+what the router routed in the last seconds and no event has confirmed yet; for a pod that has
+never sent a KV event (publishing off, or not connected yet) it uses the approximate index
+instead of believing the pod's cache empty. Both leave their matches (blocks per endpoint) in
+``cycle.data`` so the P/D decider and the result's ``cached_tokens`` reuse them.
+
+The precise scorer also keeps a group *at home*: where the pods' caches no longer hold a
+prefix, the pod the router last sent it to still scores ``homeWeight`` times its approximate
+match. Without that, a prefix evicted everywhere moves to whichever pod is least loaded, and
+each move pollutes one more cache; with it, precise routing is never worse than approximate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pydantic import Field
+
+from kvflow.router.framework import Cycle
+from kvflow.router.model import EndpointView
+from kvflow.router.plugins.registry import NoParams, PluginContext, register
+from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
+from kvflow.types import EndpointId
+
+
+def prefix_matches(
+    cycle: Cycle, kind: str, index: ApproxPrefixIndex | PrefixIndex, speculative: SpeculativeIndex | None = None
+) -> dict[EndpointId, int]:
+    key = f"prefix:{kind}"
+    found = cycle.data.get(key)
+    if found is None:
+        found = index.match(cycle.hashes)
+        if speculative is not None and len(speculative):
+            for eid, n in speculative.match(cycle.hashes).items():
+                if n > found.get(eid, 0):
+                    found[eid] = n
+        cycle.data[key] = found
+    return found
+
+
+def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[EndpointView]) -> dict[EndpointId, int]:
+    found = prefix_matches(cycle, "precise", ctx.precise, ctx.speculative)
+    deaf = [ep.id for ep in endpoints if ep.id not in ctx.event_sources]
+    if deaf:
+        approx = prefix_matches(cycle, "approx", ctx.approx)
+        for eid in deaf:
+            if approx.get(eid, 0) > found.get(eid, 0):
+                found[eid] = approx[eid]
+    return found
+
+
+@register("prefix-cache-scorer", "scorer")
+class ApproxPrefixScorer:
+    def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
+        self.name = name
+        self.ctx = ctx
+
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
+        total = cycle.hashes.num_blocks
+        if total == 0:
+            return dict.fromkeys((ep.id for ep in endpoints), 0.0)
+        matches = prefix_matches(cycle, "approx", self.ctx.approx)
+        return {ep.id: matches.get(ep.id, 0) / total for ep in endpoints}
+
+
+class PreciseParams(NoParams):
+    home_weight: float = Field(default=0.5, alias="homeWeight", ge=0, le=1)
+
+
+@register("precise-prefix-cache-scorer", "scorer")
+class PrecisePrefixScorer:
+    Params = PreciseParams
+
+    def __init__(self, name: str, params: PreciseParams, ctx: PluginContext) -> None:
+        self.name = name
+        self.ctx = ctx
+        self.home_weight = params.home_weight
+
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
+        total = cycle.hashes.num_blocks
+        if total == 0:
+            return dict.fromkeys((ep.id for ep in endpoints), 0.0)
+        matches = precise_matches(cycle, self.ctx, endpoints)
+        scores = {ep.id: matches.get(ep.id, 0) / total for ep in endpoints}
+        if self.home_weight > 0 and len(self.ctx.approx):
+            home = prefix_matches(cycle, "approx", self.ctx.approx)
+            for eid, n in home.items():
+                hint = self.home_weight * n / total
+                if eid in scores and hint > scores[eid]:
+                    scores[eid] = hint
+        return scores

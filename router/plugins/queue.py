@@ -1,0 +1,23 @@
+"""Shorter waiting queue scores higher (min-max over the candidates, as the EPP does).
+
+The queue counts the requests the router dispatched since the last scrape, so a burst that
+lands between two scrapes does not pile onto one pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvflow.router.framework import Cycle, min_max_inverse
+from kvflow.router.model import EndpointView
+from kvflow.router.plugins.registry import NoParams, PluginContext, register
+from kvflow.types import EndpointId
+
+
+@register("queue-scorer", "scorer")
+class QueueScorer:
+    def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
+        self.name = name
+
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
+        return min_max_inverse({ep.id: float(ep.queue) for ep in endpoints})

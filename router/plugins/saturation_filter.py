@@ -1,0 +1,40 @@
+"""Keep endpoints under their queue and KV-cache limits; shed (429) when none is.
+
+Like the Inference Extension's saturation detector: when every pod is over its limits, adding
+a request only grows queues, so the caller is told to retry later instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from kvflow.errors import RateLimitError
+from kvflow.router.framework import Cycle
+from kvflow.router.model import EndpointView
+from kvflow.router.plugins.registry import NoParams, PluginContext, register
+
+
+class SaturationParams(NoParams):
+    queue_limit: int = Field(default=128, alias="queueLimit", ge=0)
+    kv_limit: float = Field(default=0.99, alias="kvCacheLimit", gt=0, le=1)
+    retry_after: float = Field(default=1.0, alias="retryAfterSeconds", ge=0)
+
+
+@register("saturation-filter", "filter")
+class SaturationFilter:
+    Params = SaturationParams
+
+    def __init__(self, name: str, params: SaturationParams, ctx: PluginContext) -> None:
+        self.name = name
+        self.p = params
+
+    def saturated(self, ep: EndpointView) -> bool:
+        return ep.queue > self.p.queue_limit or ep.metrics.kv_usage >= self.p.kv_limit
+
+    def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        kept = [ep for ep in endpoints if not self.saturated(ep)]
+        if endpoints and not kept:
+            raise RateLimitError("every endpoint is saturated; retry later", retry_after=self.p.retry_after)
+        return kept

@@ -1,0 +1,227 @@
+"""``Router``: one model pool's scheduler, the object the gateway and the ext_proc server call.
+
+Synchronous in the middle (``schedule`` over a frozen snapshot), asynchronous at the edges
+(``start`` runs the metrics scraper and the KV-event subscribers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvflow.errors import KvflowError, NoCapacityError, RateLimitError
+from kvflow.hashing import block_extra_keys
+from kvflow.router.config import RouterConfig
+from kvflow.router.datastore import Datastore
+from kvflow.router.framework import Cycle, Profile, StartedHook
+from kvflow.router.hashcache import BlockHashCache, RequestHashes
+from kvflow.router.kv_events import KvEventSubscriber
+from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResult
+from kvflow.router.observability import DecisionLog, RouterMetrics
+from kvflow.router.pd import PdPolicy, decide
+from kvflow.router.plugins import PluginContext, build
+from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
+from kvflow.router.scraper import Scraper
+from kvflow.tokenizer import Tokenizer, load_tokenizer, prompt_token_ids
+from kvflow.types import Endpoint, EndpointId
+
+PROFILE_HEADER = "x-kvflow-profile"
+"""A request may name another configured profile (benchmarks, A/B tests)."""
+
+
+def build_profiles(config: RouterConfig, ctx: PluginContext) -> tuple[dict[str, Profile], list[Any]]:
+    """Every configured profile, with each named plugin built once and shared between profiles."""
+    instances: dict[str, tuple[str, Any]] = {}
+    for name, spec in config.plugins.items():
+        instances[name] = build(name, spec.type, spec.parameters, ctx)
+    profiles: dict[str, Profile] = {}
+    for pname, pspec in config.profiles.items():
+        filters, scorers, pickers = [], [], []
+        for ref in pspec.plugins:
+            kind, plugin = instances[ref.plugin_ref]
+            if kind == "filter":
+                filters.append(plugin)
+            elif kind == "scorer":
+                scorers.append((plugin, float(ref.weight or 0.0)))
+            else:
+                pickers.append(plugin)
+        profiles[pname] = Profile(pname, tuple(filters), tuple(scorers), pickers[0])
+    return profiles, [plugin for _, plugin in instances.values()]
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        endpoints: Sequence[Endpoint] = (),
+        *,
+        profile: str = "default",
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or load_tokenizer(None)
+        self.approx = ApproxPrefixIndex(config.approx_capacity)
+        self.precise = PrefixIndex()
+        self.speculative = SpeculativeIndex(config.speculative_ttl)
+        self.event_sources: set[EndpointId] = set()
+        ctx = PluginContext(self.approx, self.precise, self.speculative, self.event_sources)
+        self.profiles, plugins = build_profiles(config, ctx)
+        if profile not in self.profiles:
+            raise ValueError(f"unknown profile {profile!r} (profiles: {', '.join(sorted(self.profiles))})")
+        self.profile = profile
+        self._hooks = [p for p in plugins if isinstance(p, StartedHook)]
+        self.policy = PdPolicy(config.pd_enabled, config.pd_threshold)
+        self.hash_cache = BlockHashCache(config.block_size, seed=config.hash_seed, algo=config.hash_algo)
+        self.datastore = Datastore(endpoints or config.endpoints)
+        self.metrics = RouterMetrics(config.pool_name)
+        self.log = DecisionLog()
+        # Hashes computed while scheduling, reused when the request starts (approx index update).
+        self._pending: OrderedDict[str, RequestHashes] = OrderedDict()
+        self._scraper: Scraper | None = None
+        self._kv: KvEventSubscriber | None = None
+        self._watcher: Any = None
+        self._static = bool(endpoints or config.endpoints)
+        """Endpoints given up front; otherwise a ``pool.kubernetes`` config is watched."""
+        self._removals: set[asyncio.Task[None]] = set()
+        self.datastore.subscribe(self._on_endpoint_change)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Scrape /metrics, subscribe to KV events and, for a Kubernetes pool, watch its pods."""
+        self._scraper = Scraper(
+            self.datastore,
+            interval=self.config.scrape_interval,
+            stale_after=self.config.stale_after,
+            on_metrics=self._on_metrics,
+        )
+        await self._scraper.start()
+        if self.config.kubernetes is not None and not self._static:
+            from kvflow.router.k8s import PodWatcher  # only this path needs the Kubernetes client
+
+            self._watcher = PodWatcher(self.config.kubernetes, self.set_endpoints)
+            await self._watcher.start()
+        if self.config.kv_events_enabled:
+            self._kv = KvEventSubscriber(self.precise, self._on_kv_event, self.speculative, self.event_sources)
+            for ep in self.datastore.endpoints:
+                self._kv.add(ep, self.config.kv_events_address(ep), self.config.kv_replay_endpoints.get(ep.id))
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.stop()
+            self._watcher = None
+        if self._scraper is not None:
+            await self._scraper.stop()
+            self._scraper = None
+        if self._kv is not None:
+            await self._kv.close()
+            self._kv = None
+        for task in list(self._removals):
+            await task
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Replace the pool's endpoints (the Kubernetes watch calls this)."""
+        self.datastore.set_endpoints(endpoints)
+
+    @property
+    def endpoints(self) -> Sequence[Endpoint]:
+        return self.datastore.endpoints
+
+    # -- the data path ---------------------------------------------------------------------
+
+    def tokenize(self, body: Mapping[str, Any]) -> list[int]:
+        return prompt_token_ids(self.tokenizer, body)
+
+    def schedule(self, request: SchedulingRequest) -> SchedulingResult:
+        started = time.perf_counter()
+        name = request.headers.get(PROFILE_HEADER) or self.profile
+        profile = self.profiles.get(name)
+        if profile is None:
+            raise NoCapacityError(f"unknown scheduling profile {name!r}")
+        prefill_profile = self.profiles.get(self.config.pd_prefill_profile or name, profile)
+        cycle = self._cycle(request)
+        self.speculative.expire(time.monotonic())
+        try:
+            decision = decide(
+                cycle, self.datastore.snapshot(), profile, prefill_profile, self.policy, self.approx, self.precise
+            )
+        except KvflowError as exc:
+            seconds = time.perf_counter() - started
+            kind = "shed" if isinstance(exc, RateLimitError) else "no_capacity"
+            self.metrics.failed(name, kind, seconds)
+            self.log.add(request, None, seconds, error=f"{kind}: {exc.message}")
+            raise
+        seconds = time.perf_counter() - started
+        self.metrics.decided(decision, seconds, len(request.token_ids))
+        self.log.add(request, decision, seconds)
+        return decision.result
+
+    def explain(self, n: int = 10) -> list[dict[str, Any]]:
+        return self.log.last(n)
+
+    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        hashes = self._pending.pop(request.request_id, None) or self._hashes(request)
+        blocks = hashes.all()
+        now = time.monotonic()
+        for ep in result.targets[:1] + ((result.prefill,) if result.prefill else ()):
+            self.datastore.started(ep.id)
+            self.approx.add(ep.id, blocks)
+            self.speculative.add(ep.id, blocks, now)
+        for hook in self._hooks:
+            hook.request_started(request, result)
+
+    def request_finished(self, request: SchedulingRequest, result: SchedulingResult, *, ok: bool) -> None:
+        """End the request's in-flight accounting. ``ok`` is informational: a failed pod is taken
+        out by ``mark_failed`` or its next failed scrape, not by one failed request."""
+        for ep in result.targets[:1] + ((result.prefill,) if result.prefill else ()):
+            self.datastore.finished(ep.id)
+
+    def mark_failed(self, endpoint: Endpoint) -> None:
+        self.datastore.mark_failed(endpoint.id)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _hashes(self, request: SchedulingRequest) -> RequestHashes:
+        # vLLM keys LoRA blocks on the adapter's name *and* path (docs/vllm-protocols.md).
+        lora = (request.lora, self.config.lora_paths.get(request.lora, request.lora)) if request.lora else None
+        every = block_extra_keys(1, lora=lora)
+        first = block_extra_keys(0, lora=lora, cache_salt=request.cache_salt)
+        return self.hash_cache.for_request(request.token_ids, every, first)
+
+    def _cycle(self, request: SchedulingRequest) -> Cycle:
+        hashes = self._hashes(request)
+        self._pending[request.request_id] = hashes
+        while len(self._pending) > 4096:
+            self._pending.popitem(last=False)
+        seed = zlib.crc32(request.request_id.encode()) ^ self.config.seed
+        return Cycle(request, hashes, random.Random(seed), self.config.block_size)
+
+    def _on_metrics(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
+        if metrics.num_blocks:
+            self.approx.set_capacity(endpoint.id, metrics.num_blocks)
+
+    def _on_kv_event(self, endpoint_id: str, kind: str) -> None:
+        self.metrics.kv_events.labels(self.config.pool_name, endpoint_id, kind).inc()
+
+    def _on_endpoint_change(self, endpoint: Endpoint, added: bool) -> None:
+        if added:
+            if self._scraper is not None:
+                self._scraper.add(endpoint)
+            if self._kv is not None:
+                self._kv.add(
+                    endpoint, self.config.kv_events_address(endpoint), self.config.kv_replay_endpoints.get(endpoint.id)
+                )
+            return
+        self.approx.clear(endpoint.id)
+        self.precise.clear(endpoint.id)
+        self.speculative.clear(endpoint.id)
+        for closer in (self._scraper.remove if self._scraper else None, self._kv.remove if self._kv else None):
+            if closer is not None:
+                task = asyncio.get_running_loop().create_task(closer(endpoint.id))
+                self._removals.add(task)
+                task.add_done_callback(self._removals.discard)

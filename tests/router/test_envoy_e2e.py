@@ -1,0 +1,224 @@
+"""A real Envoy in front of simulated vLLM pods, with ``kvflow router`` as its ext_proc.
+
+The stack is started once for the module (3 sim pods, the router, one Envoy with a fail-closed
+and a fail-open listener) and always stopped. The tests run in file order; the last one stops
+the router to check what each listener does without it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+
+from kvflow.procs import Child, ProcessGroup, kvflow_argv
+from kvflow.router.envoy_config import Listener, envoy_binary, render
+from kvflow.types import Endpoint
+
+MODEL = "sim-model"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    pods: list[Endpoint]
+    router: Child
+    router_http: str
+    router_grpc: str
+    closed: str
+    """Envoy listener that fails closed when the router is down."""
+    open: str
+    """Envoy listener that fails open (to a round-robin cluster)."""
+    group: ProcessGroup
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("envoy-e2e")
+    with ProcessGroup(tmp / "logs") as group:
+        pods, pool = [], []
+        for i in range(3):
+            host = f"127.0.0.{60 + i}"
+            port, kv_port = free_port(host), free_port(host)
+            group.start(
+                f"sim{i}",
+                kvflow_argv(
+                    "sim",
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--profile",
+                    "fast",
+                    "--kv-events-endpoint",
+                    f"tcp://*:{kv_port}",
+                ),
+                env={"PYTHONHASHSEED": "0"},
+                ready_url=f"http://{host}:{port}/health",
+            )
+            pods.append(Endpoint(host, port))
+            pool.append({"address": f"{host}:{port}", "models": [MODEL], "kvEvents": f"tcp://{host}:{kv_port}"})
+        config = tmp / "router.yaml"
+        config.write_text(yaml.safe_dump({"pool": {"endpoints": pool}}))
+        grpc_port, http_port = free_port(), free_port()
+        router = group.start(
+            "router",
+            kvflow_argv("router", "--config", str(config), "--port", str(grpc_port), "--metrics-port", str(http_port)),
+            ready_url=f"http://127.0.0.1:{http_port}/healthz",
+        )
+        closed, opened, admin = free_port(), free_port(), free_port()
+        bootstrap = render(
+            [Listener("127.0.0.1", closed), Listener("127.0.0.1", opened, fail_open=True)],
+            ("127.0.0.1", grpc_port),
+            pods,
+            admin=("127.0.0.1", admin),
+        )
+        (tmp / "envoy.json").write_text(json.dumps(bootstrap))
+        group.start(
+            "envoy",
+            [str(envoy_binary()), "-c", str(tmp / "envoy.json"), "--disable-hot-restart", "-l", "warning"],
+            ready_url=f"http://127.0.0.1:{admin}/ready",
+        )
+        group.wait_ready(60)
+        yield Stack(
+            pods,
+            router,
+            f"http://127.0.0.1:{http_port}",
+            f"127.0.0.1:{grpc_port}",
+            f"http://127.0.0.1:{closed}",
+            f"http://127.0.0.1:{opened}",
+            group,
+        )
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def served(pods: list[Endpoint]) -> dict[str, float]:
+    """Prompt tokens each pod has processed, from its own /metrics."""
+    out = {}
+    for pod in pods:
+        with urllib.request.urlopen(pod.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out[pod.id] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prompt_tokens_total")
+        )
+    return out
+
+
+def prompt(group: int, words: int = 200) -> str:
+    return " ".join(f"g{group}w{i}" for i in range(words))
+
+
+def test_traffic_follows_the_picker(stack: Stack) -> None:
+    for group in range(6):
+        before = served(stack.pods)
+        status, headers, _ = post(stack.closed, {"model": MODEL, "prompt": prompt(group), "max_tokens": 2})
+        assert status == 200
+        after = served(stack.pods)
+        grew = [pod for pod in before if after[pod] > before[pod]]
+        picked = get_json(stack.router_http + "/debug/decisions?n=1")[0]["targets"][0]
+        assert grew == [picked] == [headers["x-kvflow-endpoint"]]
+
+
+def test_shared_prefix_sticks_to_one_pod(stack: Stack) -> None:
+    picks = set()
+    for i in range(4):
+        status, headers, _ = post(
+            stack.closed, {"model": MODEL, "prompt": prompt(99) + f" question {i}", "max_tokens": 2}
+        )
+        assert status == 200
+        picks.add(headers["x-kvflow-endpoint"])
+    assert len(picks) == 1
+    last = get_json(stack.router_http + "/debug/decisions?n=1")[0]
+    assert last["cached_tokens"] >= 192
+
+
+def test_streaming_passes_through_and_ends_accounting(stack: Stack) -> None:
+    req = urllib.request.Request(
+        stack.closed + "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": prompt(7), "max_tokens": 5, "stream": True}).encode(),
+        {"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert len(events) >= 5 and events[-1] == "data: [DONE]"
+    endpoints = get_json(stack.router_http + "/debug/endpoints")
+    assert [e["in_flight"] for e in endpoints] == [0, 0, 0]
+
+
+def test_fail_open_listener_routes_through_the_picker_too(stack: Stack) -> None:
+    before = served(stack.pods)
+    status, headers, _ = post(stack.open, {"model": MODEL, "prompt": prompt(42), "max_tokens": 2})
+    after = served(stack.pods)
+    assert status == 200
+    assert [pod for pod in before if after[pod] > before[pod]] == [headers["x-kvflow-endpoint"]]
+
+
+def test_no_endpoint_fits_is_503(stack: Stack) -> None:
+    status, _, body = post(stack.closed, {"model": "no-such-model", "prompt": "hi", "max_tokens": 1})
+    assert status == 503
+    assert json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_bad_json_is_400(stack: Stack) -> None:
+    req = urllib.request.Request(stack.closed + "/v1/completions", b"{not json", {"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 400
+
+
+def test_router_metrics(stack: Stack) -> None:
+    with urllib.request.urlopen(stack.router_http + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'kvflow_router_decisions_total{pool="default",profile="default",result="aggregated"}' in text
+    assert "kvflow_router_scheduling_seconds_bucket" in text
+    assert 'kvflow_router_endpoint_score{endpoint="127.0.0.60' in text
+    assert "kvflow_router_kv_events_total" in text
+
+
+def test_grpc_health_says_serving(stack: Stack) -> None:
+    import grpc
+
+    pytest.importorskip("grpc_health", reason="grpcio-health-checking not installed")
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(stack.router_grpc) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_fail_closed_and_fail_open_without_router(stack: Stack) -> None:
+    stack.group.stop(stack.router)
+    status, _, _ = post(stack.closed, {"model": MODEL, "prompt": "hello", "max_tokens": 1})
+    assert status >= 500
+    status, _, body = post(stack.open, {"model": MODEL, "prompt": "hello", "max_tokens": 1})
+    assert status == 200 and json.loads(body)["object"] == "text_completion"

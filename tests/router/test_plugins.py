@@ -1,0 +1,187 @@
+"""Each plugin on hand-made snapshots: exact scores, filters and picks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvflow.errors import RateLimitError
+from kvflow.router.framework import Cycle, min_max_inverse
+from kvflow.router.hashcache import BlockHashCache
+from kvflow.router.model import EndpointView, EngineMetrics, SchedulingRequest
+from kvflow.router.plugins import PluginContext, build
+from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
+from kvflow.types import Endpoint, Role
+
+CTX = PluginContext(ApproxPrefixIndex(), PrefixIndex())
+
+
+def view(
+    n: int,
+    role: Role = Role.BOTH,
+    models: frozenset[str] = frozenset(),
+    healthy: bool = True,
+    in_flight: int = 0,
+    dispatched: int = 0,
+    **metrics: object,
+) -> EndpointView:
+    return EndpointView(
+        Endpoint(f"127.0.0.{n}", 8000, role=role, models=models),
+        EngineMetrics(**metrics),  # type: ignore[arg-type]
+        healthy,
+        in_flight,
+        dispatched,
+    )
+
+
+def cycle(
+    tokens: int = 64, *, lora: str | None = None, headers: dict[str, str] | None = None, model: str = "m"
+) -> Cycle:
+    request = SchedulingRequest("r", model, list(range(tokens)), headers or {}, lora)
+    return Cycle(request, BlockHashCache(16).for_request(request.token_ids), random.Random(0), 16)
+
+
+def plugin(type_name: str, **params: object):  # type: ignore[no-untyped-def]
+    return build(type_name, type_name, params, CTX)[1]
+
+
+def ids(views) -> list[str]:  # type: ignore[no-untyped-def]
+    return [v.id.split(":")[0].rsplit(".", 1)[1] for v in views]
+
+
+def test_min_max_inverse() -> None:
+    assert min_max_inverse({"a": 0.0, "b": 5.0, "c": 10.0}) == {"a": 1.0, "b": 0.5, "c": 0.0}  # type: ignore[dict-item]
+    assert min_max_inverse({"a": 3.0, "b": 3.0}) == {"a": 1.0, "b": 1.0}  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("type_name", "params", "views", "kw", "kept"),
+    [
+        ("healthy-filter", {}, [view(2), view(3, healthy=False)], {}, ["2"]),
+        ("role-filter", {"role": "decode"}, [view(2, Role.PREFILL), view(3, Role.DECODE), view(4)], {}, ["3", "4"]),
+        ("role-filter", {"role": "prefill"}, [view(2, Role.PREFILL), view(3, Role.DECODE), view(4)], {}, ["2", "4"]),
+        (
+            "model-filter",
+            {},
+            [view(2, models=frozenset({"m"})), view(3, models=frozenset({"x"})), view(4)],
+            {},
+            ["2", "4"],
+        ),
+        ("model-filter", {}, [view(2, models=frozenset({"m", "ad"})), view(3)], {"lora": "ad"}, ["2"]),
+        ("model-filter", {}, [view(2), view(3)], {"lora": "unlisted"}, ["2", "3"]),
+        (
+            "saturation-filter",
+            {"queueLimit": 4},
+            [view(2, waiting=5), view(3, waiting=4), view(4, dispatched=5)],
+            {},
+            ["3"],
+        ),
+        ("saturation-filter", {"kvCacheLimit": 0.9}, [view(2, kv_usage=0.95), view(3, kv_usage=0.5)], {}, ["3"]),
+    ],
+    ids=["healthy", "role-decode", "role-prefill", "model", "lora-listed", "lora-unlisted", "queue-limit", "kv-limit"],
+)
+def test_filters(type_name, params, views, kw, kept) -> None:  # type: ignore[no-untyped-def]
+    assert ids(plugin(type_name, **params).filter(cycle(**kw), views)) == kept
+
+
+def test_saturation_sheds_when_all_are_over() -> None:
+    with pytest.raises(RateLimitError) as info:
+        plugin("saturation-filter", queueLimit=1, retryAfterSeconds=2).filter(cycle(), [view(2, waiting=3)])
+    assert info.value.status == 429 and info.value.headers() == {"Retry-After": "2"}
+
+
+@pytest.mark.parametrize(
+    ("type_name", "views", "kw", "expected"),
+    [
+        (
+            "queue-scorer",
+            [view(2, waiting=0), view(3, waiting=2, dispatched=2), view(4, waiting=4)],
+            {},
+            {"2": 1.0, "3": 0.0, "4": 0.0},
+        ),
+        ("running-requests-scorer", [view(2, running=1), view(3, running=3)], {}, {"2": 1.0, "3": 0.0}),
+        (
+            "active-request-scorer",
+            [view(2, in_flight=4), view(3, in_flight=2), view(4)],
+            {},
+            {"2": 0.0, "3": 0.5, "4": 1.0},
+        ),
+        ("kv-cache-utilization-scorer", [view(2, kv_usage=0.25), view(3, kv_usage=1.0)], {}, {"2": 0.75, "3": 0.0}),
+        (
+            "lora-affinity-scorer",
+            [
+                view(2, running_loras=frozenset({"ad"}), max_loras=1),
+                view(3, running_loras=frozenset({"x"}), max_loras=2),
+                view(4, running_loras=frozenset({"x"}), max_loras=1),
+            ],
+            {"lora": "ad"},
+            {"2": 1.0, "3": 0.8, "4": 0.0},
+        ),
+        ("lora-affinity-scorer", [view(2)], {}, {"2": 1.0}),
+    ],
+    ids=["queue", "running", "active", "kv-cache", "lora", "no-lora"],
+)
+def test_scorers(type_name, views, kw, expected) -> None:  # type: ignore[no-untyped-def]
+    got = plugin(type_name).score(cycle(**kw), views)
+    assert {k.split(":")[0].rsplit(".", 1)[1]: v for k, v in got.items()} == expected
+
+
+@pytest.mark.parametrize("kind", ["approx", "precise"])
+def test_prefix_scorers_share_of_blocks(kind: str) -> None:
+    c = cycle(64)  # 4 blocks
+    approx, precise = ApproxPrefixIndex(), PrefixIndex()
+    index = approx if kind == "approx" else precise
+    hashes = c.hashes.all()
+    index.add(view(2).id, hashes[:3])
+    index.add(view(3).id, hashes)
+    type_name = "prefix-cache-scorer" if kind == "approx" else "precise-prefix-cache-scorer"
+    scorer = build("p", type_name, {}, PluginContext(approx, precise))[1]
+    got = scorer.score(c, [view(2), view(3), view(4)])
+    assert list(got.values()) == [0.75, 1.0, 0.0]
+    assert c.data[f"prefix:{kind}"] == {view(2).id: 3, view(3).id: 4}
+
+
+def test_session_affinity_remembers_the_pick() -> None:
+    from kvflow.router.model import SchedulingResult
+
+    scorer = plugin("session-affinity-scorer", header="X-Session")
+    c = cycle(headers={"x-session": "s1"})
+    assert set(scorer.score(c, [view(2), view(3)]).values()) == {0.0}
+    scorer.request_started(c.request, SchedulingResult("p", (view(3).endpoint,), None, 0))
+    assert list(scorer.score(c, [view(2), view(3)]).values()) == [0.0, 1.0]
+
+
+def test_max_score_orders_and_breaks_ties_deterministically() -> None:
+    picker = plugin("max-score-picker", maxTargets=2)
+    scored = [(view(2), 1.0), (view(3), 3.0), (view(4), 3.0), (view(5), 0.5)]
+    first = ids(picker.pick(cycle(), scored))
+    assert sorted(first) == ["3", "4"] and ids(picker.pick(cycle(), scored)) == first
+
+
+def test_weighted_random_never_picks_zero_before_positive() -> None:
+    picker = plugin("weighted-random-picker", maxTargets=3)
+    for seed in range(20):
+        c = cycle()
+        c.rng.seed(seed)
+        assert ids(picker.pick(c, [(view(2), 0.0), (view(3), 1.0), (view(4), 2.0)]))[2] == "2"
+
+
+def test_round_robin_cycles() -> None:
+    picker = plugin("round-robin-picker", maxTargets=1)
+    scored = [(view(3), 9.0), (view(2), 0.0)]
+    assert [ids(picker.pick(cycle(), scored))[0] for _ in range(4)] == ["2", "3", "2", "3"]
+
+
+def test_precise_scorer_keeps_an_evicted_prefix_at_home() -> None:
+    c = cycle(64)  # 4 blocks
+    approx, precise = ApproxPrefixIndex(), PrefixIndex()
+    hashes = c.hashes.all()
+    approx.add(view(2).id, hashes)  # the router sent this prefix to .2 ...
+    precise.add(view(3).id, hashes[:1])  # ... but the pods' events say only .3 holds a block of it
+    heard = {view(2).id, view(3).id}
+    scorer = build(
+        "p", "precise-prefix-cache-scorer", {"homeWeight": 0.5}, PluginContext(approx, precise, None, heard)
+    )[1]
+    assert list(scorer.score(c, [view(2), view(3), view(4)]).values()) == [0.5, 0.25, 0.0]
+    assert c.data["prefix:precise"] == {view(3).id: 1}  # what P/D and cached_tokens believe stays exact

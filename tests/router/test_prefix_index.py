@@ -1,0 +1,77 @@
+"""Prefix indexes: longest contiguous cached prefix per endpoint, exact and approximate."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.hashing import hash_request_tokens, to_external
+from kvflow.router.hashcache import BlockHashCache
+from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, longest_prefixes
+from kvflow.types import EndpointId
+
+A, B, C = EndpointId("a:1"), EndpointId("b:1"), EndpointId("c:1")
+
+
+@pytest.mark.parametrize(
+    ("holders", "chain", "expected"),
+    [
+        ({}, [1, 2, 3], {}),
+        ({1: {A}, 2: {A}, 3: {A}}, [1, 2, 3], {A: 3}),
+        ({1: {A, B}, 2: {A}, 3: {A, B}}, [1, 2, 3], {A: 3, B: 1}),  # B's block 3 is not contiguous
+        ({2: {A}}, [1, 2], {}),  # no first block, nothing usable
+        ({1: {A, B, C}, 2: {B, C}, 3: {C}}, [1, 2, 3, 4], {A: 1, B: 2, C: 3}),
+    ],
+    ids=["empty", "full", "gap", "no-first-block", "staircase"],
+)
+def test_longest_prefixes(holders, chain, expected) -> None:  # type: ignore[no-untyped-def]
+    asked: list[int] = []
+
+    def lazy():  # type: ignore[no-untyped-def]
+        for i, h in enumerate(chain):
+            asked.append(i)
+            yield h
+
+    assert longest_prefixes({h: set(e) for h, e in holders.items()}, lazy()) == expected
+    stop = max(expected.values(), default=0)
+    assert max(asked, default=0) <= stop  # never hashes past the first block nobody holds
+
+
+def test_precise_index_follows_events() -> None:
+    index = PrefixIndex()
+    index.add(A, [1, 2, 3])
+    index.add(B, [1, 2])
+    assert index.match([1, 2, 3]) == {A: 3, B: 2}
+    index.remove(A, [2])
+    assert index.match([1, 2, 3]) == {A: 1, B: 2}
+    index.clear(B)
+    assert index.match([1, 2, 3]) == {A: 1}
+    assert len(index) == 2 and index.blocks_of(B) == 0
+
+
+def test_approx_index_evicts_suffix_first() -> None:
+    index = ApproxPrefixIndex(capacity_per_endpoint=4)
+    index.add(A, [1, 2, 3])
+    index.add(A, [7, 8, 9])  # capacity 4: the tail of the older request goes first
+    assert index.match([1, 2, 3]) == {A: 1}
+    assert index.match([7, 8, 9]) == {A: 3}
+    index.set_capacity(A, 2)
+    assert index.match([7, 8, 9]) == {A: 2}
+    assert index.blocks_of(A) == 2
+
+
+def test_request_hashes_equal_vllm_chain_and_are_memoised() -> None:
+    tokens = list(range(100))
+    cache = BlockHashCache(16, seed="0")
+    expected = [to_external(h) for h in hash_request_tokens(tokens, 16, seed="0")]
+    assert cache.for_request(tokens).all() == expected
+    assert (cache.misses, cache.hits) == (6, 0)
+    again = cache.for_request(tokens[:64] + [999] * 36)
+    assert again.all()[:4] == expected[:4] and again.all()[4] != expected[4]
+    assert cache.hits == 4
+
+
+def test_lora_changes_every_hash() -> None:
+    cache = BlockHashCache(16)
+    plain = cache.for_request(list(range(32))).all()
+    lora = cache.for_request(list(range(32)), ("my-adapter",)).all()
+    assert not set(plain) & set(lora)

@@ -1,0 +1,139 @@
+"""Router: the public API the gateway and the ext_proc server rely on."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.errors import NoCapacityError, RateLimitError
+from kvflow.router import Router, SchedulingRequest, load_config
+from kvflow.router.model import EngineMetrics
+from kvflow.types import Endpoint, Role
+
+PODS = [Endpoint(f"127.0.0.{i}", 8000) for i in range(2, 6)]
+PROMPT = list(range(1000, 1512))  # 32 blocks of 16
+
+
+def req(rid: str, tokens: list[int] = PROMPT, **kw: object) -> SchedulingRequest:
+    return SchedulingRequest(rid, "m", tokens, **kw)  # type: ignore[arg-type]
+
+
+def test_public_names() -> None:
+    import kvflow.router as api
+
+    assert set(api.__all__) == {
+        "EndpointView",
+        "EngineMetrics",
+        "Router",
+        "RouterConfig",
+        "SchedulingRequest",
+        "SchedulingResult",
+        "load_config",
+    }
+
+
+def test_approx_profile_learns_and_follows_the_prefix() -> None:
+    router = Router(load_config(None), PODS, profile="prefix-approx")
+    first = router.schedule(req("a"))
+    assert first.cached_tokens == 0 and len(first.targets) == 3 and first.prefill is None
+    router.request_started(req("a"), first)
+    router.request_finished(req("a"), first, ok=True)
+    second = router.schedule(req("b", PROMPT + [7] * 20))
+    assert second.targets[0] == first.targets[0] and second.cached_tokens == 512
+
+
+def test_precise_profile_reads_the_kv_event_index() -> None:
+    router = Router(load_config(None), PODS, profile="prefix-precise")
+    hashes = router.hash_cache.for_request(PROMPT).all()
+    router.precise.add(PODS[2].id, hashes[:10])
+    result = router.schedule(req("a"))
+    assert (result.targets[0], result.cached_tokens) == (PODS[2], 160)
+
+
+def test_same_snapshot_and_request_same_decision() -> None:
+    picks = {Router(load_config(None), PODS).schedule(req("same")).targets for _ in range(5)}
+    assert len(picks) == 1
+
+
+def test_in_flight_accounting_spreads_a_burst() -> None:
+    router = Router(load_config(None), PODS, profile="least-load")
+    chosen = []
+    for i in range(8):
+        r = req(f"r{i}", [i] * 40)
+        result = router.schedule(r)
+        router.request_started(r, result)
+        chosen.append(result.targets[0])
+    assert sorted(chosen.count(p) for p in PODS) == [2, 2, 2, 2]
+    assert [v.in_flight for v in router.datastore.snapshot()] == [2, 2, 2, 2]
+
+
+def test_mark_failed_until_next_good_scrape() -> None:
+    router = Router(load_config(None), PODS[:1])
+    router.mark_failed(PODS[0])
+    with pytest.raises(NoCapacityError) as info:
+        router.schedule(req("a"))
+    assert info.value.status == 503
+    router.datastore.record_scrape(PODS[0].id, EngineMetrics(), now=1.0)
+    assert router.schedule(req("b")).targets == (PODS[0],)
+
+
+def test_sheds_with_429_when_every_pod_is_saturated() -> None:
+    router = Router(load_config(None), PODS[:2])
+    for pod in PODS[:2]:
+        router.datastore.record_scrape(pod.id, EngineMetrics(waiting=500), now=1.0)
+    with pytest.raises(RateLimitError):
+        router.schedule(req("a"))
+    assert router.explain(1)[0]["error"].startswith("shed")
+
+
+def test_unknown_profile_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown profile 'nope'"):
+        Router(load_config(None), PODS, profile="nope")
+
+
+PD_PODS = [
+    Endpoint("127.0.0.2", 8000, role=Role.DECODE),
+    Endpoint("127.0.0.3", 8000, role=Role.DECODE),
+    Endpoint("127.0.0.4", 8000, role=Role.PREFILL),
+]
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "cached_blocks", "disaggregate"),
+    [(512, 0, True), (200, 0, False), (512, 24, False), (512, 8, True)],
+    ids=["long-uncached", "short", "mostly-cached", "partly-cached"],
+)
+def test_pd_decision(prompt_tokens: int, cached_blocks: int, disaggregate: bool) -> None:
+    router = Router(load_config({"pd": {"threshold": 256}}), PD_PODS, profile="prefix-precise")
+    tokens = PROMPT[:prompt_tokens]
+    router.precise.add(PD_PODS[0].id, router.hash_cache.for_request(tokens).all()[:cached_blocks])
+    result = router.schedule(req("a", tokens))
+    assert result.targets[0].role is Role.DECODE
+    assert result.prefill == (PD_PODS[2] if disaggregate else None)
+    assert all(t.role is not Role.PREFILL for t in result.targets)
+
+
+def test_pd_counts_both_pods_in_flight() -> None:
+    router = Router(load_config(None), PD_PODS)
+    r = req("a")
+    result = router.schedule(r)
+    router.request_started(r, result)
+    assert {v.id: v.in_flight for v in router.datastore.snapshot()}[PD_PODS[2].id] == 1
+    router.request_finished(r, result, ok=True)
+    assert [v.in_flight for v in router.datastore.snapshot()] == [0, 0, 0]
+
+
+def test_profile_header_overrides_per_request() -> None:
+    router = Router(load_config(None), PODS)
+    picks = [router.schedule(req(f"r{i}", headers={"x-kvflow-profile": "round-robin"})).targets[0] for i in range(4)]
+    assert sorted(p.host for p in picks) == sorted(p.host for p in PODS)
+    assert router.explain(1)[0]["profile"] == "round-robin"
+
+
+def test_precise_falls_back_to_approx_for_pods_without_kv_events() -> None:
+    router = Router(load_config({"kvEvents": {"speculativeTtlSeconds": 0}}), PODS, profile="prefix-precise")
+    first = router.schedule(req("a"))
+    router.request_started(req("a"), first)
+    again = router.schedule(req("b"))
+    assert (again.targets[0], again.cached_tokens) == (first.targets[0], 512)  # learned by routing
+    router.event_sources.add(first.targets[0].id)  # that pod's events are heard now: they are the truth
+    assert router.schedule(req("c")).cached_tokens == 0

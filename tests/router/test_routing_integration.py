@@ -1,0 +1,73 @@
+"""Routing quality on real simulated pods: the 'done when' criteria, at test size.
+
+4 simulated vLLM pods (h100-llama8b timing), a shared-prefix workload (groups of requests
+sharing a long system prompt, interleaved), hit rates read from the pods' own
+``vllm:prefix_cache_*`` counters. ``bench/bench_routing.py`` is the full-size version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvflow.router import Router, load_config
+from kvflow.router.loadtest import Outcome, Workload, run
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from bench_routing import reset, router_config, start_pods  # noqa: E402
+
+from kvflow.procs import ProcessGroup  # noqa: E402
+from kvflow.types import Endpoint  # noqa: E402
+
+Pods = list[tuple[Endpoint, str]]
+
+
+def _free(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def pods_factory(tmp_path: Path) -> Iterator[object]:
+    with ProcessGroup(tmp_path / "logs") as group:
+        yield lambda num_blocks, first_host: start_pods(group, 4, num_blocks, first_host=first_host)
+
+
+async def drive(pods: Pods, profile: str, workload: Workload, replicas: int = 1) -> Outcome:
+    await reset(pods)
+    routers = [Router(load_config(router_config(pods)), profile=profile) for _ in range(replicas)]
+    for r in routers:
+        await r.start()
+    try:
+        await asyncio.sleep(0.3)
+        return await run(routers, profile, workload)
+    finally:
+        for r in routers:
+            await r.stop()
+
+
+WORKLOAD = Workload(groups=24, requests=288, system_words=600, concurrency=16, max_tokens=8)
+
+
+async def test_default_profile_triples_round_robin_hit_rate_and_stays_balanced(pods_factory) -> None:  # type: ignore[no-untyped-def]
+    pods = await asyncio.to_thread(pods_factory, 300, 70)
+    rr = await drive(pods, "round-robin", WORKLOAD)
+    default = await drive(pods, "default", WORKLOAD)
+    assert rr.errors == default.errors == 0
+    assert default.hit_rate >= 3 * rr.hit_rate, (rr, default)
+    assert default.imbalance <= 1.5, default
+
+
+@pytest.mark.slow
+async def test_precise_beats_approx_when_caches_evict(pods_factory) -> None:  # type: ignore[no-untyped-def]
+    """Two router replicas split the traffic: only the KV-event index sees the whole truth."""
+    pods = await asyncio.to_thread(pods_factory, 200, 80)
+    approx = await drive(pods, "prefix-approx", WORKLOAD, replicas=2)
+    precise = await drive(pods, "prefix-precise", WORKLOAD, replicas=2)
+    assert precise.hit_rate > approx.hit_rate, (approx, precise)
