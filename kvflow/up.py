@@ -10,6 +10,7 @@ every child; a child that dies takes the stack down with a message saying which.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -21,6 +22,7 @@ from kvflow.procs import Child, ProcessGroup, StartupError, kvflow_argv
 from kvflow.types import Role
 
 POD_PORT = 8000
+SIM_BLOCK_SIZE = 16  # kvflow sim's default --block-size
 KV_EVENTS_PORT = 5557
 NIXL_BASE_PORT = 5600
 
@@ -30,10 +32,22 @@ class PodPlan:
     name: str
     host: str
     role: Role
+    port: int = POD_PORT
+    index: int = 0
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{POD_PORT}"
+        return f"{self.host}:{self.port}"
+
+    @property
+    def kv_events_port(self) -> int:
+        # vLLM binds its publisher only on wildcard endpoints (tcp://*:PORT), so each local pod
+        # needs a port of its own; the router connects to each one.
+        return KV_EVENTS_PORT + self.index
+
+    @property
+    def nixl_port(self) -> int:
+        return NIXL_BASE_PORT + self.index
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,35 +60,44 @@ class StackPlan:
         return [p for p in self.pods if p.role is role]
 
 
-def plan_stack(decode: int, prefill: int, *, gateway: str = "127.0.0.1:8080") -> StackPlan:
+def plan_stack(decode: int, prefill: int, *, gateway: str = "127.0.0.1:8080", pod_port: int = POD_PORT) -> StackPlan:
     """Which pods run where: decode pods first, then prefill pods, from 127.0.0.2 upwards."""
     if decode < 1:
         raise ValueError("--decode must be at least 1")
     if prefill < 0 or decode + prefill > 250:
         raise ValueError("--prefill must be between 0 and 250 - decode")
     decode_role = Role.DECODE if prefill else Role.BOTH
-    pods = [PodPlan(f"decode-{i}", f"127.0.0.{2 + i}", decode_role) for i in range(decode)]
-    pods += [PodPlan(f"prefill-{i}", f"127.0.0.{2 + decode + i}", Role.PREFILL) for i in range(prefill)]
+    roles = [(f"decode-{i}", decode_role) for i in range(decode)] + [(f"prefill-{i}", Role.PREFILL) for i in range(prefill)]
+    pods = [PodPlan(name, f"127.0.0.{2 + i}", role, pod_port, i) for i, (name, role) in enumerate(roles)]
     host, _, port = gateway.rpartition(":")
     return StackPlan(tuple(pods), host, int(port))
 
 
-def sim_argv(pod: PodPlan, args: argparse.Namespace, index: int) -> list[str]:
+def sim_argv(pod: PodPlan, args: argparse.Namespace) -> list[str]:
     argv = kvflow_argv(
-        "sim", "--host", pod.host, "--port", str(POD_PORT), "--model", args.model, "--role", pod.role.value,
-        "--profile", args.sim_profile, "--kv-events-endpoint", f"tcp://{pod.host}:{KV_EVENTS_PORT}",
+        "sim", "--host", pod.host, "--port", str(pod.port), "--model", args.model, "--role", pod.role.value,
+        "--profile", args.sim_profile, "--kv-events-endpoint", f"tcp://*:{pod.kv_events_port}",
     )
     if pod.role is not Role.BOTH:
-        argv += ["--kv-transfer", args.kv_transfer, "--nixl-side-channel-port", str(NIXL_BASE_PORT + index)]
+        argv += ["--kv-transfer", args.kv_transfer, "--nixl-side-channel-port", str(pod.nixl_port)]
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
     return argv
 
 
-def gateway_argv(plan: StackPlan, args: argparse.Namespace) -> list[str]:
+def router_config(plan: StackPlan, block_size: int) -> dict[str, object]:
+    """The embedded router's config: block size and where each pod publishes KV events."""
+    endpoints = [
+        {"address": p.address, "role": p.role.value, "kvEvents": f"tcp://127.0.0.1:{p.kv_events_port}"}
+        for p in plan.pods
+    ]
+    return {"blockSize": block_size, "pool": {"name": "local", "endpoints": endpoints}}
+
+
+def gateway_argv(plan: StackPlan, args: argparse.Namespace, router_config_path: Path) -> list[str]:
     argv = kvflow_argv(
         "gateway", "--host", plan.gateway_host, "--port", str(plan.gateway_port),
-        "--model", args.model, "--profile", args.profile,
+        "--model", args.model, "--profile", args.profile, "--router-config", str(router_config_path),
     )
     for pod in plan.pods:
         flag = "--prefill-endpoint" if pod.role is Role.PREFILL else "--endpoint"
@@ -95,6 +118,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--kv-transfer", default="nixl", choices=["nixl", "modelled"], help="P/D KV transfer in sims")
     p.add_argument("--tokenizer", default="", help="local Hugging Face tokenizer folder")
     p.add_argument("--gateway", default="127.0.0.1:8080", help="gateway HOST:PORT")
+    p.add_argument("--pod-port", type=int, default=POD_PORT, help="port every pod listens on (default 8000)")
     p.add_argument("--log-dir", default=".kvflow/logs", help="where each child's log goes")
     return p.parse_args(list(argv))
 
@@ -102,7 +126,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     try:
-        plan = plan_stack(args.decode, args.prefill, gateway=args.gateway)
+        plan = plan_stack(args.decode, args.prefill, gateway=args.gateway, pod_port=args.pod_port)
     except ValueError as exc:
         print(f"kvflow up: {exc}", file=sys.stderr)
         return 2
@@ -113,17 +137,19 @@ def main(argv: Sequence[str]) -> int:
     args.model = args.model or "sim-model"
     with ProcessGroup(Path(args.log_dir)) as group:
         pods = [
-            group.start(pod.name, sim_argv(pod, args, i), ready_url=f"http://{pod.address}/health")
-            for i, pod in enumerate(plan.pods)
+            group.start(pod.name, sim_argv(pod, args), ready_url=f"http://{pod.address}/health")
+            for pod in plan.pods
         ]
-        return serve(group, pods, plan, args)
+        return serve(group, pods, plan, args, block_size=SIM_BLOCK_SIZE)
 
 
-def serve(group: ProcessGroup, pods: list[Child], plan: StackPlan, args: argparse.Namespace) -> int:
+def serve(group: ProcessGroup, pods: list[Child], plan: StackPlan, args: argparse.Namespace, *, block_size: int) -> int:
     """Wait for the pods, start the gateway, print how to use it, then run until told to stop."""
+    config_path = group.log_dir / "router.json"
+    config_path.write_text(json.dumps(router_config(plan, block_size), indent=2))
     try:
         group.wait_ready(timeout=args_timeout(args), children=pods)
-        gw = group.start("gateway", gateway_argv(plan, args), ready_url=f"http://{args.gateway}/health")
+        gw = group.start("gateway", gateway_argv(plan, args, config_path), ready_url=f"http://{args.gateway}/health")
         group.wait_ready(timeout=60, children=[gw])
     except StartupError as exc:
         print(f"kvflow up: {exc}", file=sys.stderr)

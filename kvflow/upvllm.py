@@ -14,7 +14,7 @@ from pathlib import Path
 from kvflow import realvllm
 from kvflow.procs import ProcessGroup
 from kvflow.types import Role
-from kvflow.up import KV_EVENTS_PORT, NIXL_BASE_PORT, POD_PORT, StackPlan, serve
+from kvflow.up import StackPlan, serve
 
 MAX_SERVERS = 3
 
@@ -39,12 +39,12 @@ def run(plan: StackPlan, args: argparse.Namespace) -> int:
     pd = any(p.role is not Role.BOTH for p in plan.pods)
     with ProcessGroup(Path(args.log_dir)) as group:
         pods = []
-        for i, pod in enumerate(plan.pods):
+        for pod in plan.pods:
             argv, env = realvllm.vllm_command(
-                model_dir, pod.host, POD_PORT,
-                kv_events_endpoint=f"tcp://{pod.host}:{KV_EVENTS_PORT}",
-                nixl_side_channel_port=NIXL_BASE_PORT + i if pd else None,
+                model_dir, pod.host, pod.port,
+                kv_events_endpoint=f"tcp://*:{pod.kv_events_port}",
+                nixl_side_channel_port=pod.nixl_port if pd else None,
             )
             pods.append(group.start(pod.name, argv, env=env, ready_url=f"http://{pod.address}/health"))
         print(f"kvflow up: starting {len(pods)} vLLM-cpu server(s); logs in {args.log_dir}/", flush=True)
-        return serve(group, pods, plan, args)
+        return serve(group, pods, plan, args, block_size=realvllm.DEFAULT_BLOCK_SIZE)

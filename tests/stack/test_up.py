@@ -1,0 +1,116 @@
+"""`kvflow up` starts the whole local stack with one command and stops all of it on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pids_with(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline and "pytest" not in cmdline:
+                found.append(int(proc.name))
+    return found
+
+
+def post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.read()
+
+
+class Stack:
+    def __init__(self, proc: subprocess.Popen[str], url: str, pod_port: int) -> None:
+        self.proc, self.url, self.pod_port = proc, url, pod_port
+
+
+def start_stack(tmp_path: Path, *extra: str) -> Stack:
+    gw, pod_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvflow", "up", "--gateway", f"127.0.0.1:{gw}", "--pod-port", str(pod_port),
+            "--log-dir", str(tmp_path / "logs"), *extra]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    banner = []
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        banner.append(line)
+        if line.startswith("kvflow is up") or time.monotonic() > deadline:
+            break
+    assert banner and banner[-1].startswith("kvflow is up"), "".join(banner)
+    return Stack(proc, f"http://127.0.0.1:{gw}", pod_port)
+
+
+def stop_stack(stack: Stack) -> None:
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGTERM)
+        try:
+            stack.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(stack.proc.pid, signal.SIGKILL)
+            raise
+
+
+@pytest.fixture
+def aggregated(tmp_path: Path) -> Iterator[Stack]:
+    stack = start_stack(tmp_path, "--decode", "2")
+    try:
+        yield stack
+    finally:
+        stop_stack(stack)
+
+
+def test_stack_serves_completions_and_streams(aggregated: Stack):
+    body = json.loads(post(f"{aggregated.url}/v1/completions", {"model": "sim-model", "prompt": "San Francisco is a", "max_tokens": 16}))
+    assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
+
+    raw = post(f"{aggregated.url}/v1/chat/completions", {
+        "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "stream": True, "stream_options": {"include_usage": True},
+    }).decode()
+    events = [line.removeprefix("data: ") for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 4
+
+    models = json.loads(urllib.request.urlopen(f"{aggregated.url}/v1/models", timeout=10).read())
+    assert [m["id"] for m in models["data"]] == ["sim-model"]
+
+
+def test_sigterm_stops_every_child(tmp_path: Path):
+    stack = start_stack(tmp_path, "--decode", "2")
+    marker = f"--port {stack.pod_port}"
+    assert len(pids_with(marker)) == 2  # two simulated pods on that port, one per loopback address
+    stop_stack(stack)
+    assert stack.proc.returncode == 0
+    deadline = time.monotonic() + 10
+    while pids_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pids_with(marker) == [] and pids_with(stack.url.rsplit(":", 1)[1]) == []
+
+
+def test_bad_arguments_are_a_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "kvflow", "up", "--decode", "0"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "kvflow up: --decode must be at least 1"
