@@ -1,0 +1,138 @@
+"""Every container command line the operator renders, in one place.
+
+Keeping them here (and nowhere else) makes a flag rename in vLLM or in a kvflow component a
+one-line change. Each function returns ``(command, args)``; Kubernetes expands ``$(VAR)``
+references in them from the container's environment (used for the pod name in KV-event topics).
+"""
+
+from __future__ import annotations
+
+import json
+
+from kvflow.operator import names
+from kvflow.operator.spec import LLMService, PoolRole
+
+MODELS_DIR = "/models"
+
+
+def model_path(svc: LLMService) -> str:
+    """Where the engine finds the model: a hub id, or a path inside a mounted volume."""
+    model = svc.spec.model
+    if model.scheme == "hf":
+        return model.location
+    if model.scheme == "pvc":
+        claim, _, sub = model.location.partition("/")
+        return f"{MODELS_DIR}/{claim}" + (f"/{sub}" if sub else "")
+    return f"{MODELS_DIR}/oci"
+
+
+def adapter_path(source: str) -> str:
+    scheme, location = source.split("://", 1)
+    if scheme == "hf":
+        return location
+    if scheme == "pvc":
+        claim, _, sub = location.partition("/")
+        return f"{MODELS_DIR}/{claim}" + (f"/{sub}" if sub else "")
+    return f"{MODELS_DIR}/adapters/{location.replace('/', '_').replace(':', '_')}"
+
+
+def kv_events_endpoint(svc: LLMService) -> str:
+    """The engine binds its publisher; the router connects to every pod on this port."""
+    return f"tcp://*:{names.KV_EVENTS_PORT}"
+
+
+def kv_events_config(svc: LLMService) -> str:
+    return json.dumps({
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": kv_events_endpoint(svc),
+        "topic": f"kv@$(POD_NAME)@{svc.spec.model.name}",
+    }, separators=(",", ":"))
+
+
+def kv_transfer_config(svc: LLMService) -> str:
+    return json.dumps({
+        "kv_connector": svc.spec.kv_transfer.connector,
+        "kv_role": svc.spec.kv_transfer.kv_role,
+    }, separators=(",", ":"))
+
+
+def vllm_engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
+    spec = svc.spec
+    engine = spec.engine
+    args = [
+        model_path(svc),
+        "--served-model-name", spec.model.name,
+        "--host", "0.0.0.0",
+        "--port", str(names.engine_port(svc, role)),
+        "--tensor-parallel-size", str(engine.tensor_parallel_size),
+        "--data-parallel-size", str(engine.data_parallel_size),
+        "--block-size", str(engine.block_size),
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if spec.model.lora_adapters:
+        args += ["--enable-lora", "--lora-modules"]
+        args += [f"{adapter.name}={adapter_path(adapter.source)}" for adapter in spec.model.lora_adapters]
+    if spec.kv_transfer.connector != "None" and spec.disaggregated:
+        args += ["--kv-transfer-config", kv_transfer_config(svc)]
+    if spec.routing.kv_events:
+        args += ["--kv-events-config", kv_events_config(svc)]
+    args += list(engine.extra_args)
+    return ["vllm", "serve"], args
+
+
+def sim_engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
+    spec = svc.spec
+    engine = spec.engine
+    split = spec.disaggregated
+    args = [
+        "sim",
+        "--host", "0.0.0.0",
+        "--port", str(names.engine_port(svc, role)),
+        "--role", role if split else "both",
+        "--model", spec.model.name,
+        "--block-size", str(engine.block_size),
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if spec.model.lora_adapters:
+        args += ["--enable-lora", "--lora-modules"]
+        args += [f"{adapter.name}={adapter_path(adapter.source)}" for adapter in spec.model.lora_adapters]
+    if split and spec.kv_transfer.connector == "NixlConnector":
+        args += ["--kv-transfer", "nixl", "--nixl-side-channel-port", str(spec.kv_transfer.side_channel_port)]
+    if spec.routing.kv_events:
+        args += ["--kv-events-config", kv_events_config(svc)]
+    args += list(engine.extra_args)
+    return ["kvflow"], args
+
+
+def engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
+    if svc.spec.engine.kind == "sim":
+        return sim_engine(svc, role)
+    return vllm_engine(svc, role)
+
+
+def routing_sidecar(svc: LLMService) -> tuple[list[str], list[str]]:
+    """llm-d's routing sidecar: runs the prefill step the picker chose, then the local decode."""
+    return ["kvflow"], [
+        "gateway", "--sidecar", "--upstream", f"127.0.0.1:{names.engine_port(svc, 'decode')}",
+        "--host", "0.0.0.0", "--port", str(svc.spec.engine.port),
+    ]
+
+
+def router(svc: LLMService) -> tuple[list[str], list[str]]:
+    return ["kvflow"], [
+        "router", "--config", f"{names.CONFIG_DIR}/{names.ROUTER_CONFIG_FILE}",
+        "--host", "0.0.0.0", "--port", str(names.ROUTER_GRPC_PORT),
+        "--metrics-port", str(names.ROUTER_METRICS_PORT),
+    ]
+
+
+def gateway(svc: LLMService) -> tuple[list[str], list[str]]:
+    # Host, port and the pool (with its router configuration) are in the config file.
+    return ["kvflow"], ["gateway", "--config", f"{names.CONFIG_DIR}/{names.GATEWAY_CONFIG_FILE}"]

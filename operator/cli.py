@@ -1,0 +1,83 @@
+"""``kvflow operator render FILE`` and ``kvflow operator run``.
+
+``kvflow/cli.py`` forwards ``kvflow operator ...`` here: ``kvflow.operator.cli.main(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from kvflow.operator import names
+from kvflow.operator.spec import InvalidSpecError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow operator", description="The kvflow Kubernetes operator.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    render = sub.add_parser("render", help="print, as YAML, every child object of the LLMService(s) in FILE")
+    render.add_argument("file", help="a YAML file with LLMService documents ('-' for stdin)")
+    render.add_argument("--kvflow-image", default=None, help="image of the kvflow components")
+    render.add_argument("--vllm-image", default=None, help="default image of vLLM engines")
+    run = sub.add_parser("run", help="run the operator (kopf) against the current cluster")
+    run.add_argument("--namespace", "-n", action="append", default=[],
+                     help="watch only this namespace (repeatable); default: all namespaces")
+    run.add_argument("--interval", type=float, default=float(os.environ.get("KVFLOW_INTERVAL", "15")),
+                     help="seconds between lifecycle rounds (stuck engines, scaling, rollouts)")
+    run.add_argument("--server", default=os.environ.get("KVFLOW_KUBE_SERVER"),
+                     help="API server URL (development only; default: in-cluster or kubeconfig)")
+    run.add_argument("--liveness", default=os.environ.get("KVFLOW_LIVENESS", "http://0.0.0.0:8080/healthz"),
+                     help="liveness endpoint URL served by kopf")
+    run.add_argument("--verbose", "-v", action="store_true")
+    return parser
+
+
+def _images(kvflow: str | None, vllm: str | None) -> names.Images:
+    base = names.Images.from_env()
+    return names.Images(kvflow=kvflow or base.kvflow, vllm=vllm or base.vllm)
+
+
+def render_command(path: str, images: names.Images) -> int:
+    from kvflow.operator.render import render_yaml
+
+    text = sys.stdin.read() if path == "-" else pathlib.Path(path).read_text(encoding="utf-8")
+    try:
+        sys.stdout.write(render_yaml(text, images))
+    except InvalidSpecError as exc:
+        print(f"kvflow operator render: invalid LLMService in {path}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kvflow.operator.handlers import register
+    from kvflow.operator.reconcile import OperatorConfig, Runtime
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = OperatorConfig(interval=args.interval, images=_images(None, None), server=args.server)
+    registry = kopf.OperatorRegistry()
+    register(registry, Runtime(config=config))
+    asyncio.run(kopf.operator(
+        registry=registry, standalone=True, clusterwide=not args.namespace,
+        namespaces=args.namespace, liveness_endpoint=args.liveness or None,
+    ))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    if args.command == "render":
+        return render_command(args.file, _images(args.kvflow_image, args.vllm_image))
+    return run_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

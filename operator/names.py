@@ -1,0 +1,105 @@
+"""Names, labels, ports and images shared by every renderer: change them here only."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+from kvflow.operator.spec import LLMService, PoolRole
+
+Component = Literal["prefill", "decode", "router", "gateway"]
+
+FIELD_MANAGER = "kvflow-operator"
+LABEL_SERVICE = "kvflow.io/service"
+LABEL_ROLE = "kvflow.io/role"
+LABEL_ENGINE = "kvflow.io/engine"
+ANNOTATION_TEMPLATE_HASH = "kvflow.io/template-hash"
+ANNOTATION_APPLIED_HASH = "kvflow.io/applied-hash"
+
+# kvflow router: ext_proc gRPC, and /metrics + /healthz on the metrics port.
+ROUTER_GRPC_PORT = 9002
+ROUTER_METRICS_PORT = 9090
+# Engines publish KV events on this port (vLLM binds tcp://*:PORT); the router connects to each pod.
+KV_EVENTS_PORT = 5557
+CONFIG_DIR = "/etc/kvflow"
+ROUTER_CONFIG_FILE = "router.yaml"
+GATEWAY_CONFIG_FILE = "gateway.yaml"
+
+
+DEFAULT_KVFLOW_IMAGE = "ghcr.io/kvflow/kvflow:0.1.0"
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Images:
+    """Images of the kvflow components; the operator Deployment sets them via env."""
+
+    kvflow: str = DEFAULT_KVFLOW_IMAGE
+    vllm: str = DEFAULT_VLLM_IMAGE
+
+    @classmethod
+    def from_env(cls) -> Images:
+        return cls(
+            kvflow=os.environ.get("KVFLOW_IMAGE", DEFAULT_KVFLOW_IMAGE),
+            vllm=os.environ.get("KVFLOW_VLLM_IMAGE", DEFAULT_VLLM_IMAGE),
+        )
+
+
+def child_name(svc: LLMService, component: Component) -> str:
+    return f"{svc.name}-{component}"
+
+
+def pool_name(svc: LLMService) -> str:
+    """The InferencePool's name: the service's own name, as users will reference it."""
+    return svc.name
+
+
+def selector_labels(svc: LLMService, component: Component) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvflow",
+        "app.kubernetes.io/instance": svc.name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(svc: LLMService, component: Component) -> dict[str, str]:
+    out = {
+        **selector_labels(svc, component),
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        "app.kubernetes.io/part-of": "kvflow",
+        LABEL_SERVICE: svc.name,
+    }
+    if component in ("prefill", "decode"):
+        out[LABEL_ROLE] = component
+        out[LABEL_ENGINE] = "true"
+    return out
+
+
+def engine_pool_selector(svc: LLMService) -> dict[str, str]:
+    """Selects the pods of both pools: the router tells prefill from decode by LABEL_ROLE."""
+    return {LABEL_SERVICE: svc.name, LABEL_ENGINE: "true"}
+
+
+def router_host(svc: LLMService) -> str:
+    return f"{child_name(svc, 'router')}.{svc.namespace}.svc"
+
+
+# llm-d's layout for P/D behind an Envoy gateway: the decode pod's routing sidecar takes the
+# pool's target port and the engine moves this far up (8000 -> 8200).
+SIDECAR_ENGINE_PORT_OFFSET = 200
+
+
+def uses_sidecar(svc: LLMService, role: PoolRole) -> bool:
+    """Decode pods need the P/D routing sidecar when an external Gateway (ext_proc) routes."""
+    return role == "decode" and svc.spec.disaggregated and svc.spec.gateway.mode == "httpRoute"
+
+
+def engine_port(svc: LLMService, role: PoolRole) -> int:
+    """The port the engine itself listens on (and serves /metrics on)."""
+    port = svc.spec.engine.port
+    return port + SIDECAR_ENGINE_PORT_OFFSET if uses_sidecar(svc, role) else port
+
+
+def role_of(component: str) -> PoolRole | None:
+    return component if component in ("prefill", "decode") else None  # type: ignore[return-value]

@@ -1,0 +1,205 @@
+"""One reconcile round of one LLMService: observe, decide (pure), act, report.
+
+The kopf handlers call ``reconcile`` from ``on.create``/``on.update``/``on.resume`` (spec
+changes, immediately) and from a timer (lifecycle duties: stuck engines, queue-depth scaling,
+continuing a pool-by-pool rollout). A round never raises for a bad spec or a failing API call:
+both end up in the status, and the next timer tick tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvflow.operator import lifecycle, names, scrape
+from kvflow.operator import status as status_mod
+from kvflow.operator.kube import ApiError, KubeClient
+from kvflow.operator.objects import APPLY_ORDER, RESOURCES, Obj, content_hash, key
+from kvflow.operator.plan import Key, plan
+from kvflow.operator.render import render
+from kvflow.operator.render_pools import rendered_roles
+from kvflow.operator.spec import InvalidSpecError, LLMService, PoolRole, parse
+from kvflow.operator.status import Event
+
+OPTIONAL_KINDS = {"InferencePool": "Gateway API Inference Extension CRDs (InferencePool v1)",
+                  "HTTPRoute": "Gateway API CRDs (HTTPRoute v1)", "ScaledObject": "KEDA"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    interval: float = 15.0  # seconds between lifecycle rounds
+    scrape_timeout: float = 3.0
+    images: names.Images = dataclasses.field(default_factory=names.Images)
+    server: str | None = None  # explicit API URL (development, tests); else in-cluster/kubeconfig
+    # Timer rounds re-apply only children whose rendering changed; every resync_seconds they
+    # re-apply everything, which also undoes edits others made to fields the operator owns.
+    resync_seconds: float = 300.0
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Per-process state of the operator: the client, scrape histories, per-object locks."""
+
+    config: OperatorConfig
+    client: KubeClient | None = None
+    clock: Callable[[], float] = time.monotonic
+    histories: dict[tuple[str, str], list[lifecycle.Sample]] = dataclasses.field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+
+    last_full_apply: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def lock(self, uid: str) -> asyncio.Lock:
+        return self.locks.setdefault(uid, asyncio.Lock())
+
+    def resync_due(self, uid: str) -> bool:
+        return time.monotonic() - self.last_full_apply.get(uid, float("-inf")) >= self.config.resync_seconds
+
+    def resynced(self, uid: str) -> None:
+        self.last_full_apply[uid] = time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event]
+
+
+def applied_hash(obj: Mapping[str, Any] | None) -> str | None:
+    annotations = ((obj or {}).get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(names.ANNOTATION_APPLIED_HASH)
+    return value if isinstance(value, str) else None
+
+
+def stamp_applied_hash(obj: Obj) -> None:
+    """Record what was applied, so a later round can tell an unchanged child without a diff."""
+    annotations = obj["metadata"].setdefault("annotations", {})
+    annotations.pop(names.ANNOTATION_APPLIED_HASH, None)
+    annotations[names.ANNOTATION_APPLIED_HASH] = content_hash(obj)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def observe(client: KubeClient, svc: LLMService) -> dict[Key, Obj]:
+    """The children that exist now and that this LLMService owns (by label and owner uid)."""
+    selector = {names.LABEL_SERVICE: svc.name, "app.kubernetes.io/managed-by": names.FIELD_MANAGER}
+    kinds = [(api, kind) for (api, kind) in RESOURCES if kind in APPLY_ORDER]
+    out: dict[Key, Obj] = {}
+    for api_version, kind in kinds:
+        if kind in OPTIONAL_KINDS and not await client.has_api(api_version, kind):
+            continue
+        for item in await client.list(api_version, kind, svc.namespace, selector):
+            owners = item.get("metadata", {}).get("ownerReferences") or []
+            if any(ref.get("uid") == svc.uid for ref in owners):
+                out[key(item)] = item
+    return out
+
+
+async def missing_apis(client: KubeClient, desired: list[Obj]) -> list[str]:
+    wanted = sorted({(o["apiVersion"], o["kind"]) for o in desired if o["kind"] in OPTIONAL_KINDS})
+    return [f"{kind} ({OPTIONAL_KINDS[kind]})" for api, kind in wanted if not await client.has_api(api, kind)]
+
+
+async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: bool) -> Outcome:
+    assert rt.client is not None, "reconcile before login"
+    previous = dict(body.get("status") or {})
+    try:
+        svc = parse(dict(body))
+        desired = render(svc, rt.config.images)
+    except InvalidSpecError as exc:
+        generation = int((body.get("metadata") or {}).get("generation") or 0)
+        new = status_mod.invalid(generation, str(exc), now=_now(), previous=previous)
+        return Outcome(new, status_mod.transition_events(previous, new))
+
+    events: list[Event] = []
+    error: str | None = None
+    observed: dict[Key, Obj] = {}
+    scale: dict[PoolRole, int] = {}
+    try:
+        observed = await observe(rt.client, svc)
+        missing = await missing_apis(rt.client, desired)
+        if missing:
+            # Apply nothing rather than half a service that cannot route.
+            raise ApiError(404, "the cluster does not serve " + "; ".join(missing) + ": install it first")
+        if lifecycle_duties:
+            scale, events = await _lifecycle(rt, svc, observed)
+        decided = plan(svc, desired, observed, scale)
+        full = not lifecycle_duties or rt.resync_due(svc.uid)
+        for obj in decided.apply:
+            stamp_applied_hash(obj)
+            if full or applied_hash(observed.get(key(obj))) != applied_hash(obj):
+                observed[key(obj)] = await rt.client.apply(obj)
+        if full:
+            rt.resynced(svc.uid)
+        for api_version, kind, name in decided.delete:
+            await rt.client.delete(api_version, kind, svc.namespace, name)
+            observed.pop((api_version, kind, name), None)
+    except ApiError as exc:
+        error = str(exc)
+        decided = plan(svc, desired, observed, scale)
+    new = status_mod.compute(svc, decided, observed, now=_now(), previous=previous, error=error)
+    return Outcome(new, events + status_mod.transition_events(previous, new))
+
+
+async def _lifecycle(rt: Runtime, svc: LLMService,
+                     observed: Mapping[Key, Obj]) -> tuple[dict[PoolRole, int], list[Event]]:
+    assert rt.client is not None
+    pods = [p for p in await rt.client.list("v1", "Pod", svc.namespace, names.engine_pool_selector(svc))
+            if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("phase") == "Running"]
+    metrics: dict[str, dict[str, float]] = {}
+    for role in rendered_roles(svc):  # the engine's own port: a decode sidecar may sit in front
+        of_role = [p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == role]
+        metrics |= await scrape.scrape_pods(of_role, names.engine_port(svc, role), rt.config.scrape_timeout)
+    now = rt.clock()
+    events: list[Event] = []
+    keep = svc.spec.lifecycle.stuck_after_seconds * 2 + rt.config.interval * 4
+    live = {(svc.uid, p["metadata"]["uid"]) for p in pods}
+    for gone in [k for k in rt.histories if k[0] == svc.uid and k not in live]:
+        del rt.histories[gone]
+    for pod in pods:
+        uid = pod["metadata"]["uid"]
+        if uid in metrics:
+            history = rt.histories.setdefault((svc.uid, uid), [])
+            history.append(lifecycle.sample_from_metrics(metrics[uid], now))
+            rt.histories[(svc.uid, uid)] = lifecycle.trim(history, now, keep)
+    for role in rendered_roles(svc):
+        if not svc.spec.lifecycle.stuck_detection:
+            break
+        for pod in (p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == role):
+            uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
+            if lifecycle.is_stuck(rt.histories.get((svc.uid, uid), []), now,
+                                  svc.spec.lifecycle.stuck_after_seconds):
+                if await rt.client.delete("v1", "Pod", svc.namespace, name, uid=uid):
+                    events.append(Event("Warning", "StuckEngineReplaced",
+                                        f"{role} pod {name} ran requests without generating a token for "
+                                        f"{svc.spec.lifecycle.stuck_after_seconds}s; deleted it for a fresh one"))
+                rt.histories.pop((svc.uid, uid), None)
+                break  # at most one per pool per round: a metrics glitch must not empty a pool
+    return _autoscale(svc, pods, metrics, observed, events), events
+
+
+def _autoscale(svc: LLMService, pods: list[Obj], metrics: Mapping[str, Mapping[str, float]],
+               observed: Mapping[Key, Obj], events: list[Event]) -> dict[PoolRole, int]:
+    if svc.spec.autoscaling.mode != "operator":
+        return {}
+    scale: dict[PoolRole, int] = {}
+    for role in rendered_roles(svc):
+        bounds = svc.spec.pool(role).autoscaling
+        have = observed.get(("apps/v1", "Deployment", names.child_name(svc, role)))
+        if bounds is None or have is None:
+            continue
+        current = int((have.get("spec") or {}).get("replicas", 1))
+        depths = [metrics[p["metadata"]["uid"]].get(lifecycle.WAITING, 0.0) for p in pods
+                  if p["metadata"]["labels"].get(names.LABEL_ROLE) == role and p["metadata"]["uid"] in metrics]
+        wanted = lifecycle.desired_replicas(current, depths, svc.spec.autoscaling.target_queue_depth,
+                                            bounds.min_replicas, bounds.max_replicas)
+        scale[role] = wanted
+        if wanted != current:
+            events.append(Event("Normal", "Scaled", f"{role} pool {current} -> {wanted} replicas "
+                                f"(queue depth {sum(depths):g})"))
+    return scale

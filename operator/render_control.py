@@ -1,0 +1,259 @@
+"""Pure renderers for the control path: router, gateway or HTTPRoute, and autoscalers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from kvflow.operator import args, names
+from kvflow.operator.objects import Obj, content_hash, new
+from kvflow.operator.render_pools import rendered_roles
+from kvflow.operator.spec import LLMService, PoolRole
+
+_NON_ROOT = {
+    "runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+# The operator's scorer names -> the router's built-in plugin names (kvflow.router.config).
+SCORER_PLUGINS = {"load": "active-requests", "queueDepth": "queue", "kvCacheUtilization": "kv-cache",
+                  "lora": "lora-affinity"}
+FILTER_PLUGINS = ("model-filter", "healthy-filter", "saturation-filter")
+PROFILE = "kvflow"  # the profile built from routing.scorerWeights
+BUILTIN_PROFILES = {"load": "least-load", "random": "round-robin"}
+
+
+def _scorer_plugin(svc: LLMService, scorer: str) -> str:
+    if scorer == "prefix":  # exact block hashes from KV events, else the router's own estimate
+        return "prefix-precise" if svc.spec.routing.kv_events else "prefix-approx"
+    return SCORER_PLUGINS[scorer]
+
+
+def router_config(svc: LLMService) -> dict[str, Any]:
+    """The router's configuration file (``kvflow router --config``), in its strict schema."""
+    spec = svc.spec
+    profile = BUILTIN_PROFILES.get(spec.routing.scheduler_profile, PROFILE)
+    config: dict[str, Any] = {
+        "blockSize": spec.engine.block_size,
+        "hashSeed": spec.routing.hash_seed,
+        "defaultProfile": profile,
+        "kvEvents": {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT},
+        "pd": {"enabled": spec.disaggregated and spec.routing.scheduler_profile == "pd",
+               "threshold": spec.routing.pd_threshold},
+        "pool": {"name": names.pool_name(svc), "kubernetes": {
+            "namespace": svc.namespace, "inferencePool": names.pool_name(svc), "roleLabel": names.LABEL_ROLE}},
+    }
+    if spec.model.lora_adapters:
+        config["loraPaths"] = {a.name: args.adapter_path(a.source) for a in spec.model.lora_adapters}
+    if profile == PROFILE:
+        weights = sorted((name, weight) for name, weight in spec.routing.scorer_weights.items() if weight > 0)
+        config["schedulingProfiles"] = [{"name": PROFILE, "plugins": [
+            *({"pluginRef": name} for name in FILTER_PLUGINS),
+            *({"pluginRef": _scorer_plugin(svc, name), "weight": weight} for name, weight in weights),
+            {"pluginRef": "max-score"},
+        ]}]
+    return config
+
+
+def gateway_config(svc: LLMService) -> dict[str, Any]:
+    """The gateway's configuration file (``kvflow gateway --config``): one pool, its router inside."""
+    config = router_config(svc)
+    return {
+        "host": "0.0.0.0",
+        "port": svc.spec.gateway.port,
+        "pools": [{"model": svc.spec.model.name, "profile": config["defaultProfile"], "router_config": config}],
+    }
+
+
+def _config_volume(name: str) -> tuple[Obj, Obj]:
+    return ({"name": "config", "configMap": {"name": name}},
+            {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True})
+
+
+def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
+    name = names.child_name(svc, "router")
+    config_text = yaml.safe_dump(router_config(svc), sort_keys=False)
+
+    account = new(svc, "v1", "ServiceAccount", name, "router")
+    role = new(svc, "rbac.authorization.k8s.io/v1", "Role", name, "router")
+    role["rules"] = [  # the router (and the gateway's embedded one) follow the pool's pods
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+         "verbs": ["get", "list", "watch"]},
+    ]
+    binding = new(svc, "rbac.authorization.k8s.io/v1", "RoleBinding", name, "router")
+    binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
+    binding["subjects"] = [{"kind": "ServiceAccount", "name": name, "namespace": svc.namespace}]
+
+    config = new(svc, "v1", "ConfigMap", name, "router")
+    config["data"] = {names.ROUTER_CONFIG_FILE: config_text}
+
+    command, arguments = args.router(svc)
+    volume, mount = _config_volume(name)
+    container: Obj = {
+        "name": "router", "image": images.kvflow, "command": command, "args": arguments,
+        "env": [{"name": "PYTHONHASHSEED", "value": svc.spec.routing.hash_seed}],
+        "ports": [
+            {"name": "grpc", "containerPort": names.ROUTER_GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": names.ROUTER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "volumeMounts": [mount],
+        "securityContext": _NON_ROOT,
+    }
+    deployment = new(svc, "apps/v1", "Deployment", name, "router")
+    deployment["spec"] = {
+        "replicas": svc.spec.routing.replicas,
+        "selector": {"matchLabels": names.selector_labels(svc, "router")},
+        "template": {
+            "metadata": {
+                "labels": names.labels(svc, "router"),
+                # A config change restarts the router: it reads the file once at start.
+                "annotations": {"kvflow.io/config-hash": content_hash(config_text)},
+            },
+            "spec": {
+                "serviceAccountName": name,
+                "containers": [container],
+                "volumes": [volume],
+                "terminationGracePeriodSeconds": 30,
+            },
+        },
+    }
+    service = new(svc, "v1", "Service", name, "router")
+    service["spec"] = {
+        "selector": names.selector_labels(svc, "router"),
+        "ports": [
+            {"name": "grpc", "port": names.ROUTER_GRPC_PORT, "targetPort": "grpc",
+             "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+            {"name": "metrics", "port": names.ROUTER_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+        ],
+    }
+    return [account, role, binding, config, deployment, service]
+
+
+def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
+    gateway = svc.spec.gateway
+    if gateway.mode == "none":
+        return []
+    if gateway.mode == "httpRoute":
+        return [http_route(svc)]
+    name = names.child_name(svc, "gateway")
+    config_text = yaml.safe_dump(gateway_config(svc), sort_keys=False)
+    config = new(svc, "v1", "ConfigMap", name, "gateway")
+    config["data"] = {names.GATEWAY_CONFIG_FILE: config_text}
+    command, arguments = args.gateway(svc)
+    volume, mount = _config_volume(name)
+    deployment = new(svc, "apps/v1", "Deployment", name, "gateway")
+    deployment["spec"] = {
+        "replicas": gateway.replicas,
+        "selector": {"matchLabels": names.selector_labels(svc, "gateway")},
+        "template": {
+            "metadata": {"labels": names.labels(svc, "gateway"),
+                         "annotations": {"kvflow.io/config-hash": content_hash(config_text)}},
+            "spec": {
+                # The gateway's embedded router follows the pool's pods with the router's Role.
+                "serviceAccountName": names.child_name(svc, "router"),
+                "containers": [{
+                    "name": "gateway", "image": images.kvflow, "command": command, "args": arguments,
+                    "env": [{"name": "PYTHONHASHSEED", "value": svc.spec.routing.hash_seed}],
+                    "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+                    "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+                    "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                    "volumeMounts": [mount],
+                    "securityContext": _NON_ROOT,
+                }],
+                "volumes": [volume],
+                "terminationGracePeriodSeconds": 30,
+            },
+        },
+    }
+    service = new(svc, "v1", "Service", name, "gateway")
+    service["spec"] = {
+        "type": gateway.service_type,
+        "selector": names.selector_labels(svc, "gateway"),
+        "ports": [{"name": "http", "port": gateway.port, "targetPort": "http", "protocol": "TCP"}],
+    }
+    budget = new(svc, "policy/v1", "PodDisruptionBudget", name, "gateway")
+    budget["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(svc, "gateway")}}
+    return [config, deployment, service, budget]
+
+
+def http_route(svc: LLMService) -> Obj:
+    parent = svc.spec.gateway.parent_ref
+    assert parent is not None  # guaranteed by GatewaySpec validation
+    ref: Obj = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": parent.name}
+    if parent.namespace:
+        ref["namespace"] = parent.namespace
+    if parent.section_name:
+        ref["sectionName"] = parent.section_name
+    route = new(svc, "gateway.networking.k8s.io/v1", "HTTPRoute", svc.name, "gateway")
+    route["spec"] = {
+        "parentRefs": [ref],
+        "rules": [{
+            "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+            "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                             "name": names.pool_name(svc)}],
+            "timeouts": {"request": "300s"},
+        }],
+    }
+    if svc.spec.gateway.hostnames:
+        route["spec"]["hostnames"] = list(svc.spec.gateway.hostnames)
+    return route
+
+
+QUEUE_METRIC = "vllm:num_requests_waiting"
+QUEUE_METRIC_ADAPTED = "vllm_num_requests_waiting"  # prometheus-adapter exposes it without colons
+
+
+def autoscaler_objects(svc: LLMService) -> list[Obj]:
+    mode = svc.spec.autoscaling.mode
+    if mode not in ("hpa", "keda"):
+        return []
+    return [_hpa(svc, role) if mode == "hpa" else _scaled_object(svc, role) for role in rendered_roles(svc)]
+
+
+def _bounds(svc: LLMService, role: PoolRole) -> tuple[int, int]:
+    auto = svc.spec.pool(role).autoscaling
+    assert auto is not None  # guaranteed by LLMServiceSpec validation
+    return max(1, auto.min_replicas), auto.max_replicas
+
+
+def _hpa(svc: LLMService, role: PoolRole) -> Obj:
+    low, high = _bounds(svc, role)
+    obj = new(svc, "autoscaling/v2", "HorizontalPodAutoscaler", names.child_name(svc, role), role)
+    obj["spec"] = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.child_name(svc, role)},
+        "minReplicas": low, "maxReplicas": high,
+        "metrics": [{"type": "Pods", "pods": {
+            "metric": {"name": QUEUE_METRIC_ADAPTED},
+            "target": {"type": "AverageValue", "averageValue": _quantity(svc.spec.autoscaling.target_queue_depth)},
+        }}],
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+    }
+    return obj
+
+
+def _scaled_object(svc: LLMService, role: PoolRole) -> Obj:
+    low, high = _bounds(svc, role)
+    obj = new(svc, "keda.sh/v1alpha1", "ScaledObject", names.child_name(svc, role), role)
+    query = (f'sum({QUEUE_METRIC}{{namespace="{svc.namespace}",'
+             f'pod=~"{names.child_name(svc, role)}-.*"}})')
+    obj["spec"] = {
+        "scaleTargetRef": {"name": names.child_name(svc, role)},
+        "minReplicaCount": low, "maxReplicaCount": high, "cooldownPeriod": 300,
+        "triggers": [{"type": "prometheus", "metadata": {
+            "serverAddress": svc.spec.autoscaling.prometheus_address,
+            "query": query, "threshold": _quantity(svc.spec.autoscaling.target_queue_depth),
+        }}],
+    }
+    return obj
+
+
+def _quantity(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{int(value * 1000)}m"
+

@@ -1,0 +1,217 @@
+"""Pure renderers for the engine pools: Deployments, Services, PDBs and the InferencePool."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvflow.operator import args, names
+from kvflow.operator.objects import Obj, content_hash, merge, new
+from kvflow.operator.spec import LLMService, PoolRole
+
+ENGINE_CONTAINER = "engine"
+SIDECAR_CONTAINER = "routing-sidecar"
+
+
+def engine_image(svc: LLMService, images: names.Images) -> str:
+    if svc.spec.engine.image:
+        return svc.spec.engine.image
+    return images.kvflow if svc.spec.engine.kind == "sim" else images.vllm
+
+
+def pool_replicas(svc: LLMService, role: PoolRole) -> int | None:
+    """Replicas to render; None when an HPA or KEDA owns the field (server-side apply leaves it)."""
+    pool = svc.spec.pool(role)
+    mode = svc.spec.autoscaling.mode
+    if mode in ("hpa", "keda"):
+        return None
+    if mode == "operator" and pool.autoscaling is not None:
+        return max(pool.autoscaling.min_replicas, min(pool.replicas, pool.autoscaling.max_replicas))
+    return pool.replicas
+
+
+def rendered_roles(svc: LLMService) -> list[PoolRole]:
+    return ["prefill", "decode"] if svc.spec.disaggregated else ["decode"]
+
+
+def _env(svc: LLMService) -> list[Obj]:
+    spec = svc.spec
+    env: list[Obj] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        # Prefix-block hashes must match between engines and the router.
+        {"name": "PYTHONHASHSEED", "value": spec.routing.hash_seed},
+    ]
+    if spec.kv_transfer.connector == "NixlConnector" and spec.disaggregated:
+        env += [
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
+        ]
+    if spec.model.scheme == "hf":
+        env.append({"name": "HF_HOME", "value": "/models/hf-cache"})
+    env += [dict(item) for item in spec.engine.env]
+    return env
+
+
+def _resources(svc: LLMService, role: PoolRole) -> Obj:
+    resources: Obj = {k: dict(v) for k, v in svc.spec.pool(role).resources.items()}
+    if svc.spec.engine.kind == "vllm" and "nvidia.com/gpu" not in resources.get("limits", {}):
+        gpus = svc.spec.engine.tensor_parallel_size * svc.spec.engine.data_parallel_size
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+    return resources
+
+
+def _volumes(svc: LLMService) -> tuple[list[Obj], list[Obj]]:
+    """Volumes and mounts for the model (PVC or OCI image volume), the cache and /dev/shm."""
+    model = svc.spec.model
+    volumes: list[Obj] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
+    mounts: list[Obj] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    if model.scheme == "pvc":
+        claim = model.location.partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{args.MODELS_DIR}/{claim}", "readOnly": True})
+    elif model.scheme == "oci":
+        volumes.append({"name": "model", "image": {"reference": model.location, "pullPolicy": "IfNotPresent"}})
+        mounts.append({"name": "model", "mountPath": f"{args.MODELS_DIR}/oci", "readOnly": True})
+    else:
+        volumes.append({"name": "model-cache", "emptyDir": {}})
+        mounts.append({"name": "model-cache", "mountPath": f"{args.MODELS_DIR}/hf-cache"})
+    return volumes, mounts
+
+
+def _probe(port: str, *, period: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": "/health", "port": port},
+        "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5,
+    }
+
+
+def engine_container(svc: LLMService, role: PoolRole, images: names.Images) -> Obj:
+    spec = svc.spec
+    command, arguments = args.engine(svc, role)
+    # With a sidecar in front, "http" (what Services and the InferencePool target) is the sidecar's.
+    port_name = "engine" if names.uses_sidecar(svc, role) else "http"
+    ports: list[Obj] = [{"name": port_name, "containerPort": names.engine_port(svc, role), "protocol": "TCP"}]
+    if spec.kv_transfer.connector == "NixlConnector" and spec.disaggregated:
+        ports.append({"name": "nixl", "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"})
+    if spec.routing.kv_events:
+        ports.append({"name": "kv-events", "containerPort": names.KV_EVENTS_PORT, "protocol": "TCP"})
+    _, mounts = _volumes(svc)
+    return {
+        "name": ENGINE_CONTAINER,
+        "image": engine_image(svc, images),
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": command,
+        "args": arguments,
+        "env": _env(svc),
+        "ports": ports,
+        "resources": _resources(svc, role),
+        "volumeMounts": mounts,
+        # Model loading can take many minutes: the startup probe covers it, then liveness is strict.
+        "startupProbe": _probe(port_name, period=10, failures=180),
+        "readinessProbe": _probe(port_name, period=5, failures=3),
+        "livenessProbe": _probe(port_name, period=10, failures=6),
+        # Let the endpoints controller and the router drop the pod before the engine stops.
+        "lifecycle": {"preStop": {"sleep": {"seconds": 10}}},
+    }
+
+
+def sidecar_container(svc: LLMService, images: names.Images) -> Obj:
+    command, arguments = args.routing_sidecar(svc)
+    return {
+        "name": SIDECAR_CONTAINER, "image": images.kvflow, "command": command, "args": arguments,
+        "ports": [{"name": "http", "containerPort": svc.spec.engine.port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def pod_template(svc: LLMService, role: PoolRole, images: names.Images) -> Obj:
+    pool = svc.spec.pool(role)
+    volumes, _ = _volumes(svc)
+    containers = [engine_container(svc, role, images)]
+    if names.uses_sidecar(svc, role):
+        containers.append(sidecar_container(svc, images))
+    pod_spec: Obj = {
+        "containers": containers,
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": svc.spec.lifecycle.termination_grace_period_seconds,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in pool.tolerations]
+    metadata: Obj = {
+        "labels": {**names.labels(svc, role), **pool.pod_template.labels},
+        "annotations": {
+            "prometheus.io/scrape": "true", "prometheus.io/port": str(names.engine_port(svc, role)),
+            "prometheus.io/path": "/metrics", **pool.pod_template.annotations,
+        },
+    }
+    return {"metadata": metadata, "spec": merge(pod_spec, pool.pod_template.spec)}
+
+
+def deployment(svc: LLMService, role: PoolRole, images: names.Images) -> Obj:
+    template = pod_template(svc, role, images)
+    obj = new(svc, "apps/v1", "Deployment", names.child_name(svc, role), role,
+              annotations={names.ANNOTATION_TEMPLATE_HASH: content_hash(template)})
+    spec: Obj = {
+        "selector": {"matchLabels": names.selector_labels(svc, role)},
+        # Never below the available replicas: surge a new pod, then retire an old one.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+            "maxUnavailable": 0, "maxSurge": svc.spec.rollout.max_surge}},
+        "revisionHistoryLimit": 5,
+        "progressDeadlineSeconds": 3600,
+        "template": template,
+    }
+    replicas = pool_replicas(svc, role)
+    if replicas is not None:
+        spec = {"replicas": replicas, **spec}
+    obj["spec"] = spec
+    return obj
+
+
+def service(svc: LLMService, role: PoolRole) -> Obj:
+    obj = new(svc, "v1", "Service", names.child_name(svc, role), role)
+    obj["spec"] = {
+        "clusterIP": "None",  # headless: the router and Prometheus address pods directly
+        "publishNotReadyAddresses": False,
+        "selector": names.selector_labels(svc, role),
+        "ports": [{"name": "http", "port": svc.spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
+    }
+    return obj
+
+
+def disruption_budget(svc: LLMService, role: PoolRole) -> Obj:
+    obj = new(svc, "policy/v1", "PodDisruptionBudget", names.child_name(svc, role), role)
+    obj["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(svc, role)}}
+    return obj
+
+
+def inference_pool(svc: LLMService) -> Obj:
+    obj = new(svc, "inference.networking.k8s.io/v1", "InferencePool", names.pool_name(svc), "router")
+    obj["spec"] = {
+        "selector": {"matchLabels": names.engine_pool_selector(svc)},
+        "targetPorts": [{"number": svc.spec.engine.port}],
+        "endpointPickerRef": {
+            "group": "", "kind": "Service", "name": names.child_name(svc, "router"),
+            "port": {"number": names.ROUTER_GRPC_PORT},
+            "failureMode": svc.spec.routing.failure_mode,
+        },
+    }
+    return obj
+
+
+def render_pools(svc: LLMService, images: names.Images) -> list[Obj]:
+    out: list[Obj] = []
+    for role in rendered_roles(svc):
+        out += [deployment(svc, role, images), service(svc, role), disruption_budget(svc, role)]
+    out.append(inference_pool(svc))
+    return out
+
+
+def template_hash(obj: Mapping[str, Any]) -> str | None:
+    value = ((obj.get("metadata") or {}).get("annotations") or {}).get(names.ANNOTATION_TEMPLATE_HASH)
+    return value if isinstance(value, str) else None

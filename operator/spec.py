@@ -1,0 +1,296 @@
+"""The ``LLMService`` spec as typed, validated pydantic models (the operator's edge).
+
+The CRD's OpenAPI schema (``charts/kvflow/crds/llmservices.kvflow.io.yaml``) rejects most bad
+specs at admission; these models repeat those rules and add the ones a schema cannot express
+(flags the operator owns, duplicate adapter names, unknown scorers). A spec that fails here is
+reported as the ``Degraded`` condition with reason ``InvalidSpec``; nothing is applied.
+
+Field names are camelCase on the wire (as in the CRD) and snake_case in Python.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvflow.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMService"
+PLURAL = "llmservices"
+
+PoolRole = Literal["prefill", "decode"]
+POOL_ROLES: tuple[PoolRole, ...] = ("prefill", "decode")
+
+# Flags the operator sets itself; passing them through extraArgs would silently fight it.
+MANAGED_ENGINE_FLAGS = frozenset({
+    "--port", "--host", "--served-model-name", "--kv-transfer-config", "--kv-events-config",
+    "--tensor-parallel-size", "--data-parallel-size", "--max-model-len", "--lora-modules",
+})
+KNOWN_SCORERS = frozenset({"prefix", "load", "kvCacheUtilization", "queueDepth", "lora"})
+_SOURCE_RE = re.compile(r"^(hf|pvc|oci)://[^\s]+$")
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class _Model(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
+    )
+
+
+class LoraAdapter(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    source: str
+
+    @pydantic.field_validator("source")
+    @classmethod
+    def _source_scheme(cls, value: str) -> str:
+        if not _SOURCE_RE.match(value):
+            raise ValueError(f"adapter source {value!r} must start with hf://, pvc:// or oci://")
+        return value
+
+
+class ModelSpec(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    source: str
+    revision: str | None = None
+    lora_adapters: tuple[LoraAdapter, ...] = ()
+
+    @pydantic.field_validator("source")
+    @classmethod
+    def _source_scheme(cls, value: str) -> str:
+        if not _SOURCE_RE.match(value):
+            raise ValueError(f"model source {value!r} must start with hf://, pvc:// or oci://")
+        return value
+
+    @pydantic.field_validator("lora_adapters")
+    @classmethod
+    def _unique_adapters(cls, value: tuple[LoraAdapter, ...]) -> tuple[LoraAdapter, ...]:
+        names = [adapter.name for adapter in value]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate LoRA adapter names: {', '.join(duplicates)}")
+        return value
+
+    @property
+    def scheme(self) -> str:
+        return self.source.split("://", 1)[0]
+
+    @property
+    def location(self) -> str:
+        return self.source.split("://", 1)[1]
+
+
+class EngineSpec(_Model):
+    kind: Literal["vllm", "sim"] = "vllm"
+    image: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    extra_args: tuple[str, ...] = ()
+    env: tuple[dict[str, Any], ...] = ()
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    block_size: Annotated[int, Field(ge=1, le=256)] = 16
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+
+    @pydantic.field_validator("extra_args")
+    @classmethod
+    def _no_managed_flags(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        clashes = sorted({arg.split("=", 1)[0] for arg in value} & MANAGED_ENGINE_FLAGS)
+        if clashes:
+            raise ValueError(
+                f"engine.extraArgs must not set {', '.join(clashes)}: the operator sets them "
+                "from the spec (use the matching spec field instead)")
+        return value
+
+    @pydantic.field_validator("env")
+    @classmethod
+    def _env_names(cls, value: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+        for item in value:
+            if not isinstance(item.get("name"), str) or not item["name"]:
+                raise ValueError("every engine.env entry needs a name")
+        return value
+
+
+class PoolAutoscaling(_Model):
+    min_replicas: Annotated[int, Field(ge=0)] = 1
+    max_replicas: Annotated[int, Field(ge=1)] = 4
+
+    @pydantic.model_validator(mode="after")
+    def _bounds(self) -> PoolAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) must not exceed maxReplicas ({self.max_replicas})")
+        return self
+
+
+class PodTemplateOverride(_Model):
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    spec: dict[str, Any] = Field(default_factory=dict)
+
+
+class PoolSpec(_Model):
+    replicas: Annotated[int, Field(ge=0, le=1000)] = 1
+    resources: dict[str, Any] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    pod_template: PodTemplateOverride = PodTemplateOverride()
+    autoscaling: PoolAutoscaling | None = None
+
+
+class KvTransferSpec(_Model):
+    connector: Literal["NixlConnector", "None"] = "NixlConnector"
+    side_channel_port: Annotated[int, Field(ge=1, le=65535)] = 5600
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+
+
+class RoutingSpec(_Model):
+    replicas: Annotated[int, Field(ge=1, le=16)] = 1
+    scheduler_profile: Literal["pd", "prefix", "load", "random"] = "pd"
+    scorer_weights: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=lambda: {"prefix": 2.0, "load": 1.0})
+    pd_threshold: Annotated[int, Field(ge=0)] = 256
+    kv_events: bool = True
+    hash_seed: Annotated[str, Field(pattern=r"^[0-9]{1,10}$")] = "0"
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+    @pydantic.field_validator("scorer_weights")
+    @classmethod
+    def _known_scorers(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(value) - KNOWN_SCORERS)
+        if unknown:
+            raise ValueError(
+                f"unknown scorer(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_SCORERS))}")
+        if value and not any(weight > 0 for weight in value.values()):
+            raise ValueError("at least one scorer weight must be positive")
+        return value
+
+
+class ParentRef(_Model):
+    name: Annotated[str, Field(min_length=1)]
+    namespace: str | None = None
+    section_name: str | None = None
+
+
+class GatewaySpec(_Model):
+    mode: Literal["standalone", "httpRoute", "none"] = "standalone"
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    parent_ref: ParentRef | None = None
+    hostnames: tuple[str, ...] = ()
+
+    @pydantic.model_validator(mode="after")
+    def _route_needs_parent(self) -> GatewaySpec:
+        if self.mode == "httpRoute" and self.parent_ref is None:
+            raise ValueError("gateway.mode httpRoute needs gateway.parentRef (the existing Gateway)")
+        return self
+
+
+class AutoscalingSpec(_Model):
+    mode: Literal["none", "operator", "hpa", "keda"] = "none"
+    target_queue_depth: Annotated[float, Field(gt=0)] = 4.0
+    prometheus_address: str = "http://prometheus-operated.monitoring:9090"
+
+
+class RolloutSpec(_Model):
+    pool_order: tuple[PoolRole, PoolRole] = ("prefill", "decode")
+    max_surge: Annotated[int, Field(ge=1)] = 1
+
+    @pydantic.field_validator("pool_order")
+    @classmethod
+    def _both_pools(cls, value: tuple[PoolRole, PoolRole]) -> tuple[PoolRole, PoolRole]:
+        if sorted(value) != ["decode", "prefill"]:
+            raise ValueError("rollout.poolOrder must name prefill and decode once each")
+        return value
+
+
+class LifecycleSpec(_Model):
+    stuck_detection: bool = True
+    stuck_after_seconds: Annotated[int, Field(ge=10)] = 300
+    termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 60
+
+
+class LLMServiceSpec(_Model):
+    model: ModelSpec
+    engine: EngineSpec = EngineSpec()
+    prefill: PoolSpec = PoolSpec()
+    decode: PoolSpec = PoolSpec()
+    kv_transfer: KvTransferSpec = KvTransferSpec()
+    routing: RoutingSpec = RoutingSpec()
+    gateway: GatewaySpec = GatewaySpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    lifecycle: LifecycleSpec = LifecycleSpec()
+
+    @pydantic.model_validator(mode="after")
+    def _cross_field(self) -> LLMServiceSpec:
+        if self.decode.replicas < 1 and self.autoscaling.mode == "none":
+            raise ValueError("decode.replicas must be at least 1: decode serves every request")
+        if self.routing.scheduler_profile == "pd" and self.prefill.replicas == 0 \
+                and self.autoscaling.mode == "none":
+            raise ValueError("routing.schedulerProfile pd needs prefill.replicas >= 1")
+        if self.autoscaling.mode != "none":
+            for role in POOL_ROLES:
+                if self.pool(role).autoscaling is None:
+                    raise ValueError(f"autoscaling.mode {self.autoscaling.mode} needs {role}.autoscaling")
+        return self
+
+    def pool(self, role: PoolRole) -> PoolSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill.replicas > 0 or (
+            self.prefill.autoscaling is not None and self.autoscaling.mode != "none"
+            and self.prefill.autoscaling.max_replicas > 0)
+
+
+class LLMService(_Model):
+    """An LLMService object: the metadata the renderers need plus the validated spec."""
+
+    name: str
+    namespace: str
+    uid: str = ""
+    generation: int = 0
+    spec: LLMServiceSpec
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _dns_name(cls, value: str) -> str:
+        # Children append "-prefill", "-gateway", ...: keep the result a DNS label (63).
+        if not _DNS_LABEL_RE.match(value) or len(value) > 40:
+            raise ValueError(f"name {value!r} must be a DNS label of at most 40 characters")
+        return value
+
+
+class InvalidSpecError(ValueError):
+    """The object cannot be rendered; ``str()`` is the message shown in the status."""
+
+
+def parse(body: dict[str, Any]) -> LLMService:
+    """Validate a raw LLMService body (as read from the API or a YAML file)."""
+    meta = body.get("metadata") or {}
+    try:
+        return LLMService.model_validate({
+            "name": meta.get("name", ""), "namespace": meta.get("namespace") or "default",
+            "uid": meta.get("uid", ""), "generation": int(meta.get("generation") or 0),
+            "spec": body.get("spec") or {},
+        })
+    except pydantic.ValidationError as exc:
+        raise InvalidSpecError(_describe(exc)) from None
+
+
+def _describe(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        loc = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {message}" if loc else message)
+    return "; ".join(parts)

@@ -1,0 +1,254 @@
+"""The pure decisions: stuck engines, queue-depth scaling, rollout order, status and events."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+from operator_tools import SAMPLES
+
+from kvflow.operator import names, status
+from kvflow.operator.lifecycle import (
+    Sample,
+    desired_replicas,
+    is_stuck,
+    parse_metrics,
+    trim,
+)
+from kvflow.operator.objects import key
+from kvflow.operator.plan import deployment_settled, plan
+from kvflow.operator.render import render
+from kvflow.operator.spec import LLMService, parse
+
+# ---- metrics and stuck engines -----------------------------------------------------------
+
+
+def test_parse_metrics_sums_label_sets_and_skips_comments() -> None:
+    text = """# HELP vllm:num_requests_running Number of requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:generation_tokens_total{model_name="m, with } brace"} 1234.0 1700000000000
+vllm:num_requests_waiting 3
+vllm:bogus{a="b"} NaN
+"""
+    assert parse_metrics(text) == {"vllm:num_requests_running": 3.0, "vllm:generation_tokens_total": 1234.0,
+                                   "vllm:num_requests_waiting": 3.0}
+
+
+def samples(*rows: tuple[float, float, float]) -> list[Sample]:
+    return [Sample(at=at, running=running, waiting=0, generated=generated) for at, running, generated in rows]
+
+
+STUCK_CASES = {
+    "idle": (samples((0, 0, 5), (100, 0, 5)), 100, False),
+    "busy-and-progressing": (samples((0, 2, 5), (50, 2, 9), (100, 2, 20)), 100, False),
+    "busy-without-tokens-long-enough": (samples((0, 2, 5), (50, 2, 5), (100, 2, 5)), 100, True),
+    "busy-without-tokens-too-short": (samples((0, 2, 5), (50, 2, 5), (90, 2, 5)), 90, False),
+    "only-the-trailing-busy-run-counts": (samples((0, 2, 5), (40, 0, 5), (60, 2, 5), (100, 2, 5)), 100, False),
+    "single-sample": (samples((0, 2, 5)), 1000, False),
+    "counter-reset-is-progress": (samples((0, 2, 50), (50, 2, 0), (100, 2, 0)), 100, False),
+    "finished-now": (samples((0, 2, 5), (100, 0, 5)), 100, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STUCK_CASES))
+def test_is_stuck(case: str) -> None:
+    history, now, expected = STUCK_CASES[case]
+    assert is_stuck(history, now, threshold=100) is expected
+
+
+def test_trim_keeps_one_sample_from_before_the_cut() -> None:
+    history = samples((0, 1, 1), (10, 1, 1), (20, 1, 1))
+    assert trim(history, now=100, keep_seconds=50) == history[-1:]
+    assert trim(history, now=25, keep_seconds=10) == history[1:]
+    assert trim(history, now=25, keep_seconds=50) == history
+
+
+def test_sparse_scrapes_still_detect_a_stuck_engine() -> None:
+    history: list[Sample] = []
+    for at in (0, 40, 80):  # scrapes further apart than the kept window
+        history = trim([*history, *samples((at, 2, 5))], now=at, keep_seconds=30)
+    assert is_stuck(history, now=80, threshold=20)
+
+
+SCALE_CASES = {
+    # id: (current, queue depths, target, low, high, expected)
+    "no-metrics-keeps-current": (3, [], 4, 1, 8, 3),
+    "no-metrics-clamps": (9, [], 4, 1, 8, 8),
+    "at-target": (2, [4, 4], 4, 1, 8, 2),
+    "burst-at-most-doubles": (2, [40, 40], 4, 1, 8, 4),
+    "quiet-drains-one-at-a-time": (4, [0, 0, 0, 0], 4, 1, 8, 3),
+    "never-below-min": (1, [0], 4, 1, 8, 1),
+    "never-above-max": (6, [30] * 6, 4, 1, 8, 8),
+    "from-zero": (0, [5], 4, 0, 8, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCALE_CASES))
+def test_desired_replicas(case: str) -> None:
+    current, depths, target, low, high, expected = SCALE_CASES[case]
+    assert desired_replicas(current, depths, target, low, high) == expected
+
+
+# ---- rollout order ---------------------------------------------------------------------------
+
+
+def service(**spec_changes: Any) -> LLMService:
+    body = yaml.safe_load((SAMPLES / "sim.yaml").read_text())
+    body["metadata"]["uid"] = "u-1"
+    for field, value in spec_changes.items():  # one level of merging is enough here
+        current = body["spec"].get(field)
+        body["spec"][field] = {**current, **value} if isinstance(current, dict) else value
+    return parse(body)
+
+
+def running(objs: list[dict[str, Any]], *, settled: bool = True) -> dict[Any, dict[str, Any]]:
+    """Observed children as a cluster would show them after applying ``objs``."""
+    observed = {}
+    for obj in copy.deepcopy(objs):
+        obj["metadata"]["generation"] = 2
+        if obj["kind"] == "Deployment":
+            replicas = obj["spec"].get("replicas", 1)
+            obj["status"] = {"observedGeneration": 2 if settled else 1, "replicas": replicas,
+                             "readyReplicas": replicas, "availableReplicas": replicas,
+                             "updatedReplicas": replicas if settled else 0}
+        observed[key(obj)] = obj
+    return observed
+
+
+def dep(objs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
+
+
+def test_model_update_rolls_the_first_pool_and_holds_the_second() -> None:
+    old = service()
+    new = service(model={"name": "v2", "source": "hf://o/v2"})
+    observed = running(render(old))
+
+    first = plan(new, render(new), observed)
+    assert "v2" in dep(first.apply, "sim-llm-prefill")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert dep(first.apply, "sim-llm-decode")["spec"]["template"] == dep(render(old), "sim-llm-decode")["spec"]["template"]
+    assert first.rolling_pool == "prefill" and first.pools["decode"].held
+
+    # Prefill applied but still rolling out: decode keeps waiting.
+    mid = running(first.apply, settled=False)
+    second = plan(new, render(new), mid)
+    assert second.pools["decode"].held and second.pools["prefill"].rolling
+
+    # Prefill done: decode gets the new template.
+    third = plan(new, render(new), running(second.apply))
+    assert not third.pools["decode"].held
+    assert dep(third.apply, "sim-llm-decode")["spec"]["template"] == dep(render(new), "sim-llm-decode")["spec"]["template"]
+    assert third.rolling_pool == "decode"
+
+    assert plan(new, render(new), running(third.apply)).settled
+
+
+def test_pool_order_is_configurable() -> None:
+    old = service(rollout={"poolOrder": ["decode", "prefill"]})
+    new = service(rollout={"poolOrder": ["decode", "prefill"]}, engine={"kind": "sim", "blockSize": 32})
+    decided = plan(new, render(new), running(render(old)))
+    assert decided.rolling_pool == "decode" and decided.pools["prefill"].held
+
+
+def test_scale_only_change_rolls_nothing() -> None:
+    old = service()
+    new = service(decode={"replicas": 5})
+    decided = plan(new, render(new), running(render(old)))
+    assert decided.rolling_pool is None and decided.settled
+    assert dep(decided.apply, "sim-llm-decode")["spec"]["replicas"] == 5
+
+
+def test_children_no_longer_rendered_are_deleted() -> None:
+    old = service()
+    new = service(gateway={"mode": "none"})
+    decided = plan(new, render(new), running(render(old)))
+    assert decided.delete == [("apps/v1", "Deployment", "sim-llm-gateway"),
+                              ("policy/v1", "PodDisruptionBudget", "sim-llm-gateway"),
+                              ("v1", "ConfigMap", "sim-llm-gateway"),
+                              ("v1", "Service", "sim-llm-gateway")]
+
+
+def test_operator_autoscaling_keeps_the_decided_replicas() -> None:
+    auto = {"mode": "operator"}
+    svc = service(autoscaling=auto, prefill={"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
+                  decode={"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 6}})
+    observed = running(render(svc))
+    dep(list(observed.values()), "sim-llm-decode")["spec"]["replicas"] = 5  # scaled up earlier
+    kept = plan(svc, render(svc), observed)
+    assert dep(kept.apply, "sim-llm-decode")["spec"]["replicas"] == 5
+    scaled = plan(svc, render(svc), observed, scale={"decode": 9})
+    assert dep(scaled.apply, "sim-llm-decode")["spec"]["replicas"] == 6  # clamped to max
+
+
+def test_deployment_settled() -> None:
+    base = {"metadata": {"generation": 3}, "spec": {"replicas": 2}}
+    assert deployment_settled({**base, "status": {"observedGeneration": 3, "updatedReplicas": 2,
+                                                  "availableReplicas": 2, "replicas": 2}})
+    assert not deployment_settled({**base, "status": {"observedGeneration": 2, "updatedReplicas": 2,
+                                                      "availableReplicas": 2, "replicas": 2}})
+    assert not deployment_settled({**base, "status": {"observedGeneration": 3, "updatedReplicas": 2,
+                                                      "availableReplicas": 2, "replicas": 3}})
+
+
+# ---- status and events -------------------------------------------------------------------
+
+
+def test_status_conditions_keep_their_transition_time() -> None:
+    svc = service()
+    observed = running(render(svc))
+    decided = plan(svc, render(svc), observed)
+    first = status.compute(svc, decided, observed, now="2026-01-01T00:00:00Z", previous={})
+    assert first["phase"] == "Ready" and first["decode"]["summary"] == "2/2"
+    later = status.compute(svc, decided, observed, now="2026-01-01T01:00:00Z", previous=first)
+    assert [c["lastTransitionTime"] for c in later["conditions"]] == ["2026-01-01T00:00:00Z"] * 3
+    assert status.transition_events(first, later) == []
+
+
+def test_apply_error_degrades() -> None:
+    svc = service()
+    observed = running(render(svc))
+    decided = plan(svc, render(svc), observed)
+    ready = status.compute(svc, decided, observed, now="t0", previous={})
+    broken = status.compute(svc, decided, observed, now="t1", previous=ready, error="HTTP 403: forbidden")
+    conditions = {c["type"]: c for c in broken["conditions"]}
+    assert broken["phase"] == "Degraded" and conditions["Degraded"]["status"] == "True"
+    assert conditions["Ready"]["status"] == "False" and conditions["Degraded"]["message"] == "HTTP 403: forbidden"
+    assert status.transition_events(ready, broken) == [status.Event("Warning", "Degraded", "HTTP 403: forbidden")]
+
+
+def test_rollout_events() -> None:
+    idle = {"phase": "Ready", "rollout": {"pool": None}}
+    rolling = {"phase": "Progressing", "rollout": {"pool": "prefill"}}
+    assert [e.reason for e in status.transition_events(idle, rolling)] == ["RolloutStarted"]
+    assert [e.reason for e in status.transition_events(rolling, idle)] == ["RolloutFinished", "Ready"]
+
+
+def test_invalid_status_names_the_problem() -> None:
+    result = status.invalid(4, "spec.model.source: bad", now="t", previous={})
+    assert result["phase"] == "Invalid" and result["observedGeneration"] == 4
+    assert {c["type"]: c["status"] for c in result["conditions"]} == {
+        "Ready": "False", "Progressing": "False", "Degraded": "True"}
+
+
+def test_engine_selector_matches_both_pools_only() -> None:
+    svc = service()
+    objs = render(svc)
+    selector = names.engine_pool_selector(svc)
+    for obj in objs:
+        if obj["kind"] == "Deployment":
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert (selector.items() <= labels.items()) == (obj["metadata"]["name"] in
+                                                            ("sim-llm-prefill", "sim-llm-decode"))
+
+
+def test_status_patch_carries_changes_only() -> None:
+    from kvflow.operator.handlers import status_patch
+
+    previous = {"phase": "Ready", "gatewayURL": "http://x", "kopf": {"progress": {}}, "decode": {"ready": 2}}
+    assert status_patch(previous, {"phase": "Ready", "gatewayURL": "http://x", "decode": {"ready": 2}}) == {}
+    assert status_patch(previous, {"phase": "Progressing", "decode": {"ready": 2}}) == {
+        "phase": "Progressing", "gatewayURL": None}

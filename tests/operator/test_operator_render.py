@@ -1,0 +1,278 @@
+"""The pure renderers: golden files, API validation of every object, and the facts that matter."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import pytest
+import yaml
+from operator_schemas import K8S_VERSIONS, crd_errors, validate
+from operator_tools import SAMPLES
+
+from kvflow.operator import names
+from kvflow.operator.cli import main
+from kvflow.operator.render import render, render_yaml
+from kvflow.operator.spec import LLMService, parse
+
+GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
+IMAGES = names.Images(kvflow="ghcr.io/kvflow/kvflow:test", vllm="vllm/vllm-openai:test")
+SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.yaml"))
+
+
+def load(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((SAMPLES / name).read_text())
+    return doc
+
+
+def with_uid(body: dict[str, Any]) -> LLMService:
+    body = {**body, "metadata": {**body["metadata"], "uid": "00000000-0000-0000-0000-000000000001"}}
+    return parse(body)
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("sample", SAMPLE_FILES)
+def test_golden(sample: str) -> None:
+    rendered = render_yaml((SAMPLES / sample).read_text(), IMAGES)
+    golden = GOLDEN / sample
+    if os.environ.get("KVFLOW_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(rendered)
+    assert golden.exists(), f"no golden file; run with KVFLOW_UPDATE_GOLDEN=1 to create {golden}"
+    assert rendered == golden.read_text(), f"{sample} renders differently from {golden}"
+
+
+@pytest.mark.parametrize("sample", SAMPLE_FILES)
+def test_cli_render_prints_the_same_objects(sample: str, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFLOW_IMAGE", IMAGES.kvflow)
+    monkeypatch.setenv("KVFLOW_VLLM_IMAGE", IMAGES.vllm)
+    assert main(["render", str(SAMPLES / sample)]) == 0
+    assert capsys.readouterr().out == (GOLDEN / sample).read_text()
+
+
+def test_cli_render_rejects_a_bad_file(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = load("sim.yaml")
+    body["spec"]["model"]["source"] = "s3://bucket/model"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert main(["render", str(path)]) == 2
+    assert "spec.model.source" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sample", SAMPLE_FILES)
+def test_samples_pass_the_crd_schema_and_cel(sample: str) -> None:
+    assert crd_errors(load(sample)) == []
+
+
+VARIANTS = {
+    "hpa": {"autoscaling": {"mode": "hpa"}, "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
+            "decode": {"autoscaling": {"minReplicas": 2, "maxReplicas": 8}}},
+    "keda": {"autoscaling": {"mode": "keda", "targetQueueDepth": 2.5},
+             "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
+             "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 8}}},
+    "pvc-model": {"model": {"name": "m", "source": "pvc://models/llama/8b"}},
+    "oci-model": {"model": {"name": "m", "source": "oci://registry.example.com/models/llama:8b"}},
+    "http-route": {"gateway": {"mode": "httpRoute", "parentRef": {"name": "gw", "sectionName": "http"}}},
+    "no-gateway": {"gateway": {"mode": "none"}},
+    "aggregated": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}},
+}
+
+
+def merged(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: merged(base.get(k), v) for k, v in patch.items()}}
+    return patch
+
+
+@pytest.mark.parametrize("sample", SAMPLE_FILES)
+def test_every_rendered_object_is_valid(sample: str) -> None:
+    for obj in render(with_uid(load(sample)), IMAGES):
+        validate(obj)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant_renders_valid_objects(variant: str) -> None:
+    body = load("sim.yaml")
+    body["spec"] = merged(body["spec"], VARIANTS[variant])
+    assert crd_errors(body) == []
+    objs = render(with_uid(body), IMAGES)
+    for obj in objs:
+        validate(obj)
+    kinds = {o["kind"] for o in objs}
+    assert ("HorizontalPodAutoscaler" in kinds) == (variant == "hpa")
+    assert ("ScaledObject" in kinds) == (variant == "keda")
+    assert ("HTTPRoute" in kinds) == (variant == "http-route")
+    if variant in ("hpa", "keda"):  # the autoscaler owns replicas: server-side apply must not
+        assert all("replicas" not in o["spec"] for o in objs
+                   if o["kind"] == "Deployment" and o["metadata"]["labels"].get(names.LABEL_ENGINE))
+
+
+def test_validation_uses_kubernetes_1_35_and_the_newest_schema() -> None:
+    assert K8S_VERSIONS[0] == "1.35.0" and K8S_VERSIONS[-1] >= "1.35.0"
+
+
+def test_pd_engine_command_line_and_environment() -> None:
+    svc = with_uid(load("pd-nixl.yaml"))
+    objs = render(svc, IMAGES)
+    router = by_kind(objs, "Deployment", "llama-pd-router")["spec"]["template"]["spec"]["containers"][0]
+    for role in ("prefill", "decode"):
+        pod = by_kind(objs, "Deployment", f"llama-pd-{role}")["spec"]["template"]
+        engine = pod["spec"]["containers"][0]
+        args = engine["args"]
+        assert engine["command"] == ["vllm", "serve"] and args[0] == "meta-llama/Llama-3.1-8B-Instruct"
+        transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        events = json.loads(args[args.index("--kv-events-config") + 1])
+        assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
+                          "endpoint": "tcp://*:5557",  # vLLM binds; the router connects to pods
+                          "topic": "kv@$(POD_NAME)@llama-3.1-8b-instruct"}
+        env = env_of(engine)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+        assert env["PYTHONHASHSEED"] == env_of(router)["PYTHONHASHSEED"] == "42"
+        assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert engine["lifecycle"]["preStop"] and pod["spec"]["terminationGracePeriodSeconds"] == 120
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert pod["metadata"]["labels"][names.LABEL_ROLE] == role
+
+
+def test_inference_pool_points_at_the_router() -> None:
+    objs = render(with_uid(load("sim.yaml")), IMAGES)
+    pool = by_kind(objs, "InferencePool", "sim-llm")["spec"]
+    router_svc = by_kind(objs, "Service", "sim-llm-router")
+    assert pool["endpointPickerRef"]["name"] == router_svc["metadata"]["name"]
+    assert pool["endpointPickerRef"]["port"]["number"] in {p["port"] for p in router_svc["spec"]["ports"]}
+    engine_labels = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]["metadata"]["labels"]
+    assert pool["selector"]["matchLabels"].items() <= engine_labels.items()
+    assert pool["targetPorts"] == [{"number": 8000}]
+
+
+def test_sim_engine_runs_kvflow_sim() -> None:
+    objs = render(with_uid(load("sim.yaml")), IMAGES)
+    engine = by_kind(objs, "Deployment", "sim-llm-prefill")["spec"]["template"]["spec"]["containers"][0]
+    assert engine["image"] == IMAGES.kvflow and engine["command"] == ["kvflow"]
+    assert engine["args"][:8] == ["sim", "--host", "0.0.0.0", "--port", "8000", "--role", "prefill", "--model"]
+    events = json.loads(engine["args"][engine["args"].index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://*:5557" and {"name": "kv-events", "containerPort": 5557,
+                                                      "protocol": "TCP"} in engine["ports"]
+    assert engine["args"][engine["args"].index("--kv-transfer") + 1] == "nixl"
+    assert "nvidia.com/gpu" not in engine["resources"].get("limits", {})
+
+
+def test_pod_template_override_merges_by_name() -> None:
+    body = load("sim.yaml")
+    body["spec"]["decode"]["podTemplate"] = {"spec": {
+        "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}]},
+                       {"name": "sidecar", "image": "busybox"}],
+        "priorityClassName": "high"}}
+    pod = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-decode")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["engine", "sidecar"]
+    assert pod["containers"][0]["args"][0] == "sim"  # amended, not replaced
+    assert pod["containers"][0]["env"][-1] == {"name": "EXTRA", "value": "1"}
+    assert pod["priorityClassName"] == "high"
+
+
+def test_owner_references_only_with_a_uid() -> None:
+    body = load("sim.yaml")
+    assert all("ownerReferences" not in o["metadata"] for o in render(parse(body), IMAGES))
+    assert all(o["metadata"]["ownerReferences"][0]["controller"] for o in render(with_uid(body), IMAGES))
+
+
+def test_render_is_deterministic() -> None:
+    svc = with_uid(load("pd-nixl.yaml"))
+    assert render(svc, IMAGES) == render(svc, IMAGES)
+
+
+# ---- the command lines and config files parse with the real components ----------------------
+
+
+def containers(objs: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
+    return [c for o in objs if o["kind"] == "Deployment"
+            and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+            for c in o["spec"]["template"]["spec"]["containers"]]
+
+
+def config_file(objs: list[dict[str, Any]], name: str, key: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(by_kind(objs, "ConfigMap", name)["data"][key])
+    return data
+
+
+@pytest.mark.parametrize("variant", ["sim", "aggregated", "load", "random", "no-kv-events", "lora"])
+def test_router_and_gateway_configs_load_in_the_components(variant: str) -> None:
+    from kvflow.gateway.config import GatewayConfig
+    from kvflow.router.config import load_config
+
+    body = load("sim.yaml")
+    changes = {"aggregated": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}},
+               "load": {"routing": {"schedulerProfile": "load"}},
+               "random": {"routing": {"schedulerProfile": "random"}},
+               "no-kv-events": {"routing": {"kvEvents": False, "scorerWeights": {"prefix": 1, "queueDepth": 1,
+                                                                              "kvCacheUtilization": 1}}},
+               "lora": {"model": {"loraAdapters": [{"name": "sql", "source": "hf://o/sql"}]},
+                        "routing": {"scorerWeights": {"prefix": 1, "lora": 1}}}}.get(variant, {})
+    body["spec"] = merged(body["spec"], changes)
+    objs = render(with_uid(body), IMAGES)
+    router = load_config(config_file(objs, "sim-llm-router", "router.yaml"))
+    assert router.kubernetes is not None and router.kubernetes.inference_pool == "sim-llm"
+    assert router.kubernetes.role_label == names.LABEL_ROLE and router.default_profile in router.profiles
+    assert router.pd_enabled == (variant not in ("aggregated", "load", "random"))
+    gateway = GatewayConfig.model_validate(config_file(objs, "sim-llm-gateway", "gateway.yaml"))
+    assert gateway.port == 8080 and [p.model for p in gateway.pools] == ["sim-model"]
+
+
+@pytest.mark.parametrize("sample", SAMPLE_FILES)
+def test_command_lines_parse_with_the_components(sample: str) -> None:
+    from kvflow.gateway.cli import parser as gateway_parser
+    from kvflow.router.cli import parse_args as router_parse
+    from kvflow.sim.cli import parser as sim_parser
+
+    objs = render(with_uid(load(sample)), IMAGES)
+    for container in containers(objs, "router"):
+        assert container["command"] == ["kvflow"] and container["args"][0] == "router"
+        parsed = router_parse(container["args"][1:])
+        assert (parsed.host, parsed.port, parsed.metrics_port) == ("0.0.0.0", 9002, 9090)
+    for container in containers(objs, "gateway"):
+        assert container["args"][0] == "gateway"
+        gateway_parser().parse_args(container["args"][1:])
+    for role in ("prefill", "decode"):
+        for container in containers(objs, role):
+            if container["command"] == ["kvflow"] and container["args"][0] == "sim":
+                parsed = sim_parser().parse_args(container["args"][1:])
+                assert parsed.host == "0.0.0.0" and parsed.port in (8000, 8200)
+            elif container["command"] == ["kvflow"]:
+                assert container["args"][0] == "gateway"
+                parsed = gateway_parser().parse_args(container["args"][1:])
+                assert parsed.sidecar and parsed.upstream == "127.0.0.1:8200" and parsed.port == 8000
+
+
+@pytest.mark.parametrize("mode", ["standalone", "httpRoute"])
+def test_decode_routing_sidecar_only_behind_an_external_gateway(mode: str) -> None:
+    body = load("sim.yaml")
+    body["spec"]["gateway"] = {"mode": mode, "parentRef": {"name": "gw"}} if mode == "httpRoute" else {"mode": mode}
+    objs = render(with_uid(body), IMAGES)
+    decode = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]
+    prefill = by_kind(objs, "Deployment", "sim-llm-prefill")["spec"]["template"]
+    names_ = [c["name"] for c in decode["spec"]["containers"]]
+    engine = decode["spec"]["containers"][0]
+    if mode == "httpRoute":  # llm-d's layout: the sidecar takes the pool's port, the engine 8200
+        assert names_ == ["engine", "routing-sidecar"]
+        assert engine["args"][engine["args"].index("--port") + 1] == "8200"
+        assert engine["ports"][0] == {"name": "engine", "containerPort": 8200, "protocol": "TCP"}
+        assert engine["readinessProbe"]["httpGet"]["port"] == "engine"
+        assert decode["metadata"]["annotations"]["prometheus.io/port"] == "8200"
+        sidecar = decode["spec"]["containers"][1]
+        assert sidecar["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    else:
+        assert names_ == ["engine"] and engine["ports"][0]["containerPort"] == 8000
+    assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
+    assert by_kind(objs, "InferencePool", "sim-llm")["spec"]["targetPorts"] == [{"number": 8000}]

@@ -1,0 +1,142 @@
+"""Bad specs: rejected at admission by the CRD (schema or CEL) and, should one slip through
+(CEL disabled, an older CRD), by the operator's own validation with a clear message."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pydantic
+import pytest
+import yaml
+from operator_schemas import crd_errors
+from operator_tools import CHART, SAMPLES
+
+from kvflow.operator import spec as spec_mod
+from kvflow.operator.spec import InvalidSpecError, parse
+
+
+def sample() -> dict[str, Any]:
+    body: dict[str, Any] = yaml.safe_load((SAMPLES / "sim.yaml").read_text())
+    return body
+
+
+def patched(changes: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    body = sample()
+
+    def merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
+        for k, v in patch.items():
+            if isinstance(v, dict) and isinstance(base.get(k), dict):
+                merge(base[k], v)
+            else:
+                base[k] = copy.deepcopy(v)
+
+    merge(body["spec"], changes)
+    if name:
+        body["metadata"]["name"] = name
+    return body
+
+
+# id -> (spec patch, fragment of the CRD's message, fragment of the operator's message)
+BAD_SPECS: dict[str, tuple[dict[str, Any], str, str]] = {
+    "source-scheme": ({"model": {"source": "s3://bucket/m"}}, "does not match", "must start with hf://"),
+    "managed-flag": ({"engine": {"extraArgs": ["--port=9000"]}}, "flags the operator manages",
+                     "must not set --port"),
+    "min-over-max": ({"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},
+                     "minReplicas must not exceed maxReplicas", "must not exceed maxReplicas"),
+    "unknown-scorer": ({"routing": {"scorerWeights": {"prefix": 1, "magic": 2}}}, "known scorers",
+                       "unknown scorer(s) magic"),
+    "route-without-gateway": ({"gateway": {"mode": "httpRoute"}}, "needs gateway.parentRef",
+                              "needs gateway.parentRef"),
+    "no-decode": ({"decode": {"replicas": 0}}, "decode.replicas must be at least 1",
+                  "decode.replicas must be at least 1"),
+    "pd-without-prefill": ({"prefill": {"replicas": 0}}, "pd needs prefill.replicas",
+                           "pd needs prefill.replicas"),
+    "pool-order": ({"rollout": {"poolOrder": ["decode", "decode"]}}, "once each", "once each"),
+    "autoscaling-bounds": ({"autoscaling": {"mode": "hpa"}}, "needs prefill.autoscaling",
+                           "needs prefill.autoscaling"),
+    "duplicate-adapter": ({"model": {"loraAdapters": [{"name": "a", "source": "hf://x/a"},
+                                                      {"name": "a", "source": "hf://x/b"}]}},
+                          "duplicate entries", "duplicate LoRA adapter names: a"),
+    "unknown-field": ({"engine": {"gpus": 4}}, "'gpus' was unexpected", "Extra inputs are not permitted"),
+    "stuck-too-eager": ({"lifecycle": {"stuckAfterSeconds": 1}}, "less than the minimum", "greater than or equal to 10"),
+    "bad-seed": ({"routing": {"hashSeed": "abc"}}, "does not match", "should match pattern"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_bad_spec_is_rejected_by_the_crd(case: str) -> None:
+    changes, crd_message, _ = BAD_SPECS[case]
+    errors = crd_errors(patched(changes))
+    assert errors and any(crd_message in e for e in errors), errors
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_bad_spec_is_reported_by_the_operator(case: str) -> None:
+    changes, _, message = BAD_SPECS[case]
+    with pytest.raises(InvalidSpecError) as exc:
+        parse(patched(changes))
+    assert message in str(exc.value)
+
+
+def test_long_names_are_rejected_both_ways() -> None:
+    body = patched({}, name="x" * 41)
+    assert any("at most 40 characters" in e for e in crd_errors(body))
+    with pytest.raises(InvalidSpecError, match="at most 40 characters"):
+        parse(body)
+
+
+def test_defaults_agree_between_the_crd_and_the_models() -> None:
+    """A minimal spec defaulted by the CRD parses to the same model as the raw one."""
+    from operator_schemas import CRD_SCHEMAS, apply_defaults
+
+    body = {"apiVersion": "kvflow.io/v1alpha1", "kind": "LLMService", "metadata": {"name": "m"},
+            "spec": {"model": {"name": "m", "source": "hf://o/m"}}}
+    schema = CRD_SCHEMAS[("kvflow.io/v1alpha1", "LLMService")]
+    defaulted = apply_defaults(schema, copy.deepcopy(body))
+    assert parse(defaulted) == parse(body)
+
+
+def _crd_spec_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((CHART / "crds" / "llmservices.kvflow.io.yaml").read_text())
+    schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return schema
+
+
+def _model_paths(model: type[pydantic.BaseModel], prefix: str = "") -> set[str]:
+    out = set()
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{field.alias or name}"
+        out.add(path)
+        for arg in _types(field.annotation):
+            if isinstance(arg, type) and issubclass(arg, pydantic.BaseModel):
+                out |= _model_paths(arg, path + ".")
+    return out
+
+
+def _types(annotation: Any) -> list[Any]:
+    args = getattr(annotation, "__args__", None)
+    if not args:
+        return [annotation]
+    return [t for a in args for t in _types(a)]
+
+
+def _schema_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
+    out = set()
+    props = schema.get("properties") or (schema.get("items") or {}).get("properties") or {}
+    for name, sub in props.items():
+        out.add(prefix + name)
+        if not sub.get("x-kubernetes-preserve-unknown-fields") and prefix + name not in _OPAQUE:
+            out |= _schema_paths(sub, prefix + name + ".")
+    return out
+
+
+# Kubernetes-typed fields the models keep as plain dicts (validated by the API server's types).
+_OPAQUE = {f"{pool}.{field}" for pool in ("prefill", "decode")
+           for field in ("resources", "tolerations", "podTemplate.spec")} | {"engine.env"}
+
+
+def test_the_crd_schema_and_the_models_name_the_same_fields() -> None:
+    from_models = _model_paths(spec_mod.LLMServiceSpec)
+    from_crd = _schema_paths(_crd_spec_schema())
+    assert from_crd == from_models
