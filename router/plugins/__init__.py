@@ -8,7 +8,7 @@ from kvflow.router.plugins import (  # noqa: F401 - imported to register
     max_score,
     model_filter,
     prefix_cache,
-    queue,
+    queue_depth,
     role_filter,
     round_robin,
     running,
