@@ -23,6 +23,8 @@ from kvflow.types import Role
 
 POD_PORT = 8000
 SIM_BLOCK_SIZE = 16  # kvflow sim's default --block-size
+# Pods and router must seed vLLM's block hashing alike (the router's default hash seed is "0").
+SIM_ENV = {"PYTHONHASHSEED": "0"}
 KV_EVENTS_PORT = 5557
 NIXL_BASE_PORT = 5600
 
@@ -137,7 +139,7 @@ def main(argv: Sequence[str]) -> int:
     args.model = args.model or "sim-model"
     with ProcessGroup(Path(args.log_dir)) as group:
         pods = [
-            group.start(pod.name, sim_argv(pod, args), ready_url=f"http://{pod.address}/health")
+            group.start(pod.name, sim_argv(pod, args), env=SIM_ENV, ready_url=f"http://{pod.address}/health")
             for pod in plan.pods
         ]
         return serve(group, pods, plan, args, block_size=SIM_BLOCK_SIZE)

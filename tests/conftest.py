@@ -1,0 +1,94 @@
+"""Shared fixtures: simulated vLLM pods as real processes on 127.0.0.2, 127.0.0.3, ...
+
+    def test_x(sim_pods):
+        pods = sim_pods(2, "--profile", "instant", kv_events=True)
+        pods[0].url             # http://127.0.0.2:PORT
+        pods[0].kv_events       # tcp://127.0.0.2:PORT to connect a SUB socket to (or None)
+
+Every pod is stopped when the test ends, pass or fail.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvflow.procs import Child, ProcessGroup, kvflow_argv
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SimPod:
+    host: str
+    port: int
+    child: Child
+    kv_events: str | None = None
+    """Where a subscriber connects (the pod binds ``tcp://*:PORT``, as vLLM does for wildcards)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return bytes(r.read())
+
+    def post_json(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+
+SimPodFactory = Callable[..., list[SimPod]]
+
+
+@pytest.fixture
+def sim_pods(tmp_path: Path) -> Iterator[SimPodFactory]:
+    group = ProcessGroup(tmp_path / "sim-logs")
+    started = 0
+
+    def start(n: int = 1, *args: str, kv_events: bool = False, env: dict[str, str] | None = None,
+              first_host: int = 2, timeout: float = 30.0) -> list[SimPod]:
+        nonlocal started
+        pods: list[SimPod] = []
+        for i in range(n):
+            host = f"127.0.0.{first_host + started + i}"
+            port = free_port(host)
+            argv = ["sim", "--host", host, "--port", str(port), *args]
+            kv = None
+            if kv_events:
+                kv_port = free_port()
+                argv += ["--kv-events-endpoint", f"tcp://*:{kv_port}", "--kv-events-topic", f"kv@{host}:{port}"]
+                kv = f"tcp://{host}:{kv_port}"
+            # PYTHONHASHSEED=0 as kvflow starts every vLLM, so routers' hashes agree by default
+            child = group.start(f"sim-{host}-{port}", kvflow_argv(*argv), env={"PYTHONHASHSEED": "0", **(env or {})},
+                                ready_url=f"http://{host}:{port}/health")
+            pods.append(SimPod(host, port, child, kv))
+        started += n
+        group.wait_ready(timeout, [p.child for p in pods])
+        return pods
+
+    try:
+        yield start
+    finally:
+        group.stop_all()

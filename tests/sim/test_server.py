@@ -1,0 +1,135 @@
+"""The simulator process: faults, LoRA adapters, client disconnects and idleness."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from kvflow.sim.profiles import PROFILES
+
+COMPLETION = {"model": "sim-model", "prompt": "hello there", "max_tokens": 3}
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_fail_rate_one_answers_500_in_openai_shape_and_zero_recovers(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant", "--fault-fail-rate", "1")
+    status, body = pod.post_json("/v1/completions", COMPLETION)
+    assert (status, body["error"]["type"], body["error"]["code"]) == (500, "InternalServerError", 500)
+    assert pod.post_json("/_sim/faults", {"fail_rate": 0})[1]["fail_rate"] == 0
+    assert pod.post_json("/v1/completions", COMPLETION)[0] == 200
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"fail_rate": 2}, "fail_rate must be a number in [0, 1]"),
+    ({"slow_factor": 0}, "slow_factor must be a positive number"),
+    ({"explode": True}, "unknown fault(s): explode"),
+])
+def test_bad_fault_updates_are_rejected_whole(sim_pods: Any, patch: dict[str, Any], message: str) -> None:
+    [pod] = sim_pods(1, "--profile", "instant")
+    status, body = pod.post_json("/_sim/faults", {"stall_after_tokens": 5, **patch})
+    assert (status, body["error"]["message"]) == (400, message)
+    assert json.loads(pod.get("/_sim/faults"))["stall_after_tokens"] is None
+
+
+def test_stall_after_n_tokens_stops_the_stream(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant", "--fault-stall-after", "2")
+    body = json.dumps({**COMPLETION, "max_tokens": 10, "stream": True}).encode()
+    with socket.create_connection((pod.host, pod.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.settimeout(1.0)
+        received = b""
+        with pytest.raises(TimeoutError):
+            while True:
+                received += s.recv(65536)
+    assert received.count(b"data: {") == 2 and b"[DONE]" not in received
+    # the hung stream's request went on in the engine and finished; the pod stays healthy
+    assert pod.get("/health") == b""
+
+
+def test_slow_factor_stretches_every_step(sim_pods: Any) -> None:
+    # a lower bound only: a step may overrun its modelled time, never undercut it
+    [pod] = sim_pods(1, "--profile", "cpu-tiny")
+    pod.post_json("/_sim/faults", {"slow_factor": 20})
+    started = time.monotonic()
+    pod.post_json("/v1/completions", {**COMPLETION, "max_tokens": 5})
+    assert time.monotonic() - started >= 5 * 20 * PROFILES["cpu-tiny"].step_base_s
+
+
+def test_crash_exits_the_process_with_status_1(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant", "--fault-crash-after", "1")
+    assert pod.post_json("/v1/completions", COMPLETION)[0] == 200
+    with pytest.raises(OSError):
+        pod.post_json("/v1/completions", COMPLETION)
+    assert pod.child.popen.wait(timeout=5) == 1
+
+
+def test_lora_adapters_are_served_listed_and_reported(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant", "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat")
+    models = json.loads(pod.get("/v1/models"))["data"]
+    assert [(m["id"], m["root"], m["parent"]) for m in models] == [
+        ("sim-model", "sim-model", None),
+        ("sql", "/adapters/sql", "sim-model"),
+        ("chat", "/adapters/chat", "sim-model"),
+    ]
+    assert pod.post_json("/v1/completions", {**COMPLETION, "model": "sql"})[0] == 200
+    metrics = pod.get("/metrics").decode()
+    assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "h100-llama8b")
+    body = json.dumps({**COMPLETION, "max_tokens": 5000, "stream": True}).encode()
+    with socket.create_connection((pod.host, pod.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert json.loads(pod.get("/_sim/state"))["running"] == 1
+    deadline = time.monotonic() + 5
+    while json.loads(pod.get("/_sim/state"))["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = json.loads(pod.get("/_sim/state"))
+    assert (state["running"], state["kv_cache_usage"]) == (0, 0.0)
+    assert 'finished_reason="abort",model_name="sim-model"} 1.0' in pod.get("/metrics").decode()
+
+
+def test_an_idle_simulator_uses_no_cpu(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant")
+    pod.post_json("/v1/completions", COMPLETION)
+    time.sleep(0.2)
+    before = cpu_seconds(pod.child.popen.pid)
+    time.sleep(1.5)
+    assert cpu_seconds(pod.child.popen.pid) - before < 0.05
+
+
+def test_role_is_reported(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant", "--role", "decode")
+    assert json.loads(pod.get("/_sim/state"))["role"] == "decode"
+
+
+def test_sim_pods_with_kv_events_publish_on_a_socket_subscribers_connect_to(sim_pods: Any) -> None:
+    import zmq
+
+    [pod] = sim_pods(1, "--profile", "instant", kv_events=True)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(pod.kv_events)
+    try:
+        time.sleep(0.3)  # the subscription reaches the bound publisher
+        pod.post_json("/v1/completions", {"model": "sim-model", "prompt": list(range(40)), "max_tokens": 1})
+        assert sub.poll(5000)
+        topic, seq, _ = sub.recv_multipart()
+        assert (topic, seq) == (f"kv@{pod.host}:{pod.port}".encode(), bytes(8))
+    finally:
+        sub.close(linger=0)
