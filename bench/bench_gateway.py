@@ -1,0 +1,250 @@
+"""Gateway overhead: direct to the pods vs kvflow gateway vs sglang-router vs vllm-router.
+
+Everything runs on this machine in one go, against the same simulated pods (``--profile fast``,
+so the pods are not the bottleneck): ``wrk`` sends small non-streamed completions, first on one
+connection (added latency), then on 64 (throughput). ``kvflow-2w`` is the gateway with
+``--workers 2`` (two processes on one port, as the Rust peers run two worker threads here).
+The routers use round-robin; the kvflow
+gateway runs its router in-process with the ``round-robin`` profile, health scrapes once a second
+instead of every 50 ms (round-robin reads no metrics), no KV-event subscription and no access log
+(the peers log at warn). The CPU each router process used per request is read from /proc.
+
+    python bench/bench_gateway.py                   # ~60 s: 2 interleaved rounds, the table shows medians
+    python bench/bench_gateway.py --only kvflow     # one target
+
+The peers are installed on first use into their own venv, ``.kvflow/peers/venv`` (gitignored).
+Needs ``wrk`` (Debian: ``apt-get install wrk``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import time
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvflow.procs import ProcessGroup, kvflow_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".kvflow" / "peers" / "venv"
+MODEL = "bench-model"
+BODY = json.dumps({"model": MODEL, "prompt": "Say hello to the benchmark", "max_tokens": 4})
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '%s'
+wrk.headers["Content-Type"] = "application/json"
+local addrs = {}
+local n = 0
+function setup(thread)
+  -- 'direct' spreads the threads over the pods; with one address this is a no-op
+  if #addrs == 0 then
+    for _, hp in ipairs({%s}) do
+      for _, a in ipairs(wrk.lookup(hp[1], hp[2])) do table.insert(addrs, a) end
+    end
+  end
+  n = n + 1
+  thread.addr = addrs[(n - 1) %% #addrs + 1]
+end
+"""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Row:
+    target: str
+    p50_c1_ms: float
+    p99_c1_ms: float
+    rps_c64: float
+    p50_c64_ms: float
+    cpu_us_per_req: float | None
+    errors: int
+
+
+def ensure_peers() -> Path:
+    bin_dir = PEERS / "bin"
+    if not (bin_dir / "smg").exists() or not (bin_dir / "vllm-router").exists():
+        print("installing sglang-router and vllm-router into", PEERS, file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS)], check=True)
+        subprocess.run([str(bin_dir / "pip"), "install", "-q", "sglang-router", "vllm-router"], check=True)
+    return bin_dir
+
+
+def wrk(url: str, hosts: list[str], *, connections: int, seconds: float) -> dict[str, float]:
+    """``hosts`` are HOST:PORT; wrk's threads are spread over them."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        pairs = ", ".join('{"%s", "%s"}' % tuple(h.rsplit(":", 1)) for h in hosts)
+        f.write(WRK_SCRIPT % (BODY, pairs))
+    threads = max(1, min(connections, len(hosts)))
+    out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", f.name, url],
+                         capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    return parse_wrk(out)
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}
+
+
+def parse_wrk(text: str) -> dict[str, float]:
+    def latency(pct: str) -> float:
+        m = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s|m)\s*$", text, re.M)
+        return float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
+
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", text)
+    total = re.search(r"(\d+) requests in", text)
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    return {
+        "p50": latency("50"), "p99": latency("99"), "rps": float(rps.group(1)) if rps else 0.0,
+        "requests": float(total.group(1)) if total else 0.0,
+        "errors": float(bad.group(1) if bad else 0) + (sum(map(int, errors.groups())) if errors else 0),
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU of a process and its children that were waited for (launchers fork)."""
+    total = 0.0
+    for p in [pid, *children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError):
+            pass
+    return total
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for kid in map(int, kids):
+            found += [kid, *children(kid)]
+    return found
+
+
+def measure(name: str, url: str, hosts: list[str], pid: int | None, args: argparse.Namespace,
+            warm: bool = False) -> Row:
+    time.sleep(1.0)  # let the pods finish what the previous run's 64 connections left behind
+    if warm:
+        wrk(url, hosts, connections=8, seconds=1)  # open connections, fill caches
+    c1 = wrk(url, hosts, connections=1, seconds=args.latency_seconds)
+    before = cpu_seconds(pid) if pid else 0.0
+    c64 = wrk(url, hosts, connections=args.connections, seconds=args.seconds)
+    cpu = (cpu_seconds(pid) - before) / c64["requests"] * 1e6 if pid and c64["requests"] else None
+    return Row(name, c1["p50"], c1["p99"], c64["rps"], c64["p50"], cpu, int(c1["errors"] + c64["errors"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pods", type=int, default=2)
+    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=3.0, help="throughput run per target and round")
+    p.add_argument("--latency-seconds", type=float, default=2.0, help="one-connection run per target and round")
+    p.add_argument("--only", nargs="*", default=None, help="targets: direct kvflow kvflow-2w sglang-router vllm-router")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for kvflow gateway")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the table shows medians")
+    args = p.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("bench_gateway needs wrk (apt-get install wrk)", file=sys.stderr)
+        return 2
+    wanted = args.only or ["direct", "kvflow", "kvflow-2w", "sglang-router", "vllm-router"]
+    peers = ensure_peers() if {"sglang-router", "vllm-router"} & set(wanted) else None
+    pods = [f"127.0.0.{i + 2}:{free_port(f'127.0.0.{i + 2}')}" for i in range(args.pods)]
+    urls = [f"http://{h}" for h in pods]
+    ports = {name: free_port("127.0.0.1") for name in ("kvflow", "kvflow-2w", "sglang-router", "vllm-router", "p1", "p2")}
+    with ProcessGroup(ROOT / ".kvflow" / "bench-gateway-logs") as group:
+        for i, pod in enumerate(pods):
+            host, port = pod.rsplit(":", 1)
+            group.start(f"pod{i}", kvflow_argv("sim", "--host", host, "--port", port, "--model", MODEL,
+                                               "--profile", "fast", "--log-level", "ERROR"),
+                        ready_url=f"http://{pod}/health")
+        group.wait_ready(60)
+        # Round-robin reads no pod metrics and no KV events: scrape only for health, about as
+        # often as the peers health-check, and subscribe to nothing.
+        router_config = group.log_dir / "router.json"
+        router_config.write_text(json.dumps({"scrapeIntervalSeconds": 1.0, "staleAfterSeconds": 5.0,
+                                             "kvEvents": {"enabled": False}}))
+        routers = {
+            "kvflow": (kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(ports["kvflow"]), "--model", MODEL,
+                                   *[a for pod in pods for a in ("--endpoint", pod)],
+                                   "--profile", "round-robin", "--router-config", str(router_config),
+                                   "--no-access-log", "--log-level", "WARNING", *args.gateway_arg), ports["kvflow"]),
+            "kvflow-2w": (kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(ports["kvflow-2w"]),
+                                      "--model", MODEL, *[a for pod in pods for a in ("--endpoint", pod)],
+                                      "--profile", "round-robin", "--router-config", str(router_config),
+                                      "--no-access-log", "--log-level", "WARNING", "--workers", "2",
+                                      *args.gateway_arg), ports["kvflow-2w"]),
+            "sglang-router": ([str(peers / "smg"), "launch", "--host", "127.0.0.1", "--port", str(ports["sglang-router"]),
+                               "--worker-urls", *urls, "--policy", "round_robin", "--log-level", "warn",
+                               "--prometheus-port", str(ports["p1"]), "--max-concurrent-requests", "-1"],
+                              ports["sglang-router"]) if peers else None,
+            "vllm-router": ([str(peers / "vllm-router"), "--host", "127.0.0.1", "--port", str(ports["vllm-router"]),
+                             "--worker-urls", *urls, "--policy", "round_robin", "--log-level", "warning",
+                             "--prometheus-port", str(ports["p2"]), "--max-concurrent-requests", "100000"],
+                            ports["vllm-router"]) if peers else None,
+        }
+        targets: dict[str, tuple[str, list[str], int | None]] = {}
+        for name in wanted:  # every router runs for the whole benchmark; an idle one costs ~nothing
+            if name == "direct":
+                targets[name] = (urls[0] + "/v1/completions", pods, None)
+                continue
+            spec = routers[name]
+            assert spec is not None
+            child = group.start(name, spec[0], ready_url=f"http://127.0.0.1:{spec[1]}/health")
+            group.wait_ready(120, [child])
+            targets[name] = (f"http://127.0.0.1:{spec[1]}/v1/completions", [f"127.0.0.1:{spec[1]}"], child.popen.pid)
+        runs: dict[str, list[Row]] = {name: [] for name in wanted}
+        for round_ in range(args.rounds):  # interleaved, in a rotating order, against background noise
+            order = wanted[round_ % len(wanted):] + wanted[: round_ % len(wanted)]
+            for name in order:
+                runs[name].append(measure(name, *targets[name], args, warm=round_ == 0))
+                print(runs[name][-1], file=sys.stderr)
+        rows = [median_row(name, runs[name]) for name in wanted]
+    print_table(rows)
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gateway.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+def median_row(name: str, runs: list[Row]) -> Row:
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    cpus = [r.cpu_us_per_req for r in runs if r.cpu_us_per_req is not None]
+    return Row(name, med([r.p50_c1_ms for r in runs]), med([r.p99_c1_ms for r in runs]),
+               med([r.rps_c64 for r in runs]), med([r.p50_c64_ms for r in runs]),
+               med(cpus) if cpus else None, sum(r.errors for r in runs))
+
+
+def print_table(rows: list[Row]) -> None:
+    direct = next((r for r in rows if r.target == "direct"), None)
+    print(f"| target | p50 1 conn (ms) | added p50 (ms) | p99 1 conn (ms) | req/s {64} conns | p50 64 conns (ms) "
+          "| router CPU µs/req | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        added = f"{r.p50_c1_ms - direct.p50_c1_ms:+.3f}" if direct and r is not direct else "–"
+        cpu = f"{r.cpu_us_per_req:.0f}" if r.cpu_us_per_req is not None else "–"
+        print(f"| {r.target} | {r.p50_c1_ms:.3f} | {added} | {r.p99_c1_ms:.3f} | {r.rps_c64:.0f} | "
+              f"{r.p50_c64_ms:.2f} | {cpu} | {r.errors} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""The gateway: OpenAI routes in, pods out.
+
+``Gateway.handle`` owns the edges of every request: it names it (``X-Request-Id``, passed
+upstream), turns any exception into OpenAI's error JSON (never a traceback), and records the
+metrics and the JSON access log. The route handlers only parse, admit, schedule and forward;
+the body a client sent is forwarded byte for byte unless P/D must add ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, from_exception
+from kvflow.gateway.auth import ApiKey, Authenticator
+from kvflow.gateway.config import GatewayConfig
+from kvflow.gateway.flow import Rate, RateLimiter
+from kvflow.gateway.httpserver import Request, Responder
+from kvflow.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kvflow.gateway.pd import decode_body, encode, prefill
+from kvflow.gateway.pools import Pool, PoolRouter, build_pool, build_router
+from kvflow.gateway.proxy import (
+    AttemptFailed, Exchange, Upstream, send_error, send_json, stream_response, try_targets, whole_response,
+)
+from kvflow.openai_api import validate
+from kvflow.router.model import SchedulingRequest, SchedulingResult
+from kvflow.types import Endpoint
+
+log = logging.getLogger("kvflow.gateway")
+access_log = logging.getLogger("kvflow.gateway.access")
+
+Route = Callable[[Request, Responder, Exchange], Awaitable[None]]
+_QUIET_PATHS = frozenset({"/health", "/metrics"})
+
+
+class RouteError(KvflowError):
+    """An unknown path (404) or a wrong method (405), in our tree's JSON shape."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status  # type: ignore[misc]
+        self.type = "NotFoundError" if status == 404 else "MethodNotAllowedError"  # type: ignore[misc]
+
+
+_decoder = msgspec.json.Decoder()
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (msgspec: ~9x json.loads on this path), or a 400 saying why not."""
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return body
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, pools: Mapping[str, Pool], auth: Authenticator,
+                 metrics: GatewayMetrics, upstream: Upstream) -> None:
+        self.config, self.pools, self.auth, self.metrics, self.upstream = config, dict(pools), auth, metrics, upstream
+        # model or LoRA name -> (pool, adapter); an adapter is scheduled in its base model's pool
+        self.names: dict[str, tuple[Pool, str | None]] = {name: (pool, None) for name, pool in self.pools.items()}
+        self.loras: dict[str, str] = {}
+        for pc in config.pools:
+            for lora in pc.loras:
+                if pc.model in self.pools:
+                    self.names[lora] = (self.pools[pc.model], lora)
+                    self.loras[lora] = pc.model
+        default = config.flow.default_rate
+        self.limiter = RateLimiter(auth.rates(), Rate(default.rate, default.burst) if default else None)
+        self.created = int(time.time())
+        self.routes: dict[str, tuple[str, Route]] = {
+            "/v1/completions": ("POST", self.completions),
+            "/v1/chat/completions": ("POST", self.chat),
+            "/v1/models": ("GET", self.models),
+            "/health": ("GET", self.health),
+            "/metrics": ("GET", self.prometheus),
+        }
+        self._ids = itertools.count()
+        self._id_prefix = os.urandom(4).hex()
+        self._attempts = config.max_attempts
+        self._idle = config.timeouts.idle
+        self._priority_header = config.flow.priority_header.lower()
+        self._forward_auth = not auth.enabled  # pods behind an open gateway may want the client's key
+
+    # --- the edges: naming, errors, metrics, access log -------------------------------------
+
+    async def handle(self, request: Request, out: Responder) -> None:
+        ex = Exchange(request.headers.get("x-request-id") or f"{self._id_prefix}-{next(self._ids)}", request.path)
+        try:
+            route = self.routes.get(request.path)
+            if route is None:
+                raise RouteError(404, f"no route for {request.path}")
+            if request.method != route[0]:
+                raise RouteError(405, f"{request.path} takes {route[0]}, not {request.method}")
+            await route[1](request, out, ex)
+        except KvflowError as exc:
+            self._fail(out, ex, exc)
+        except asyncio.CancelledError:
+            ex.status, ex.error = 499, ex.error or "client_disconnect"
+            self._record(ex)
+            raise
+        except Exception as exc:  # a bug: logged with its traceback here, never sent to the client
+            log.exception("request %s failed", ex.request_id)
+            self._fail(out, ex, from_exception(exc))
+        if not ex.status:
+            ex.status = out.status
+        if ex.path not in _QUIET_PATHS:
+            self._record(ex)
+
+    def _fail(self, out: Responder, ex: Exchange, exc: KvflowError) -> None:
+        ex.status, ex.error = exc.status, ex.error or type(exc).__name__
+        if not out.closed and not out.started:  # a stream already begun has ended with its error event
+            send_error(out, exc, ex.request_id)
+
+    def _record(self, ex: Exchange) -> None:
+        elapsed = time.perf_counter() - ex.start
+        pool = self.pools.get(ex.model)
+        if pool is not None:
+            m = pool.metrics
+            m.e2e.observe(elapsed)
+            if ex.first_token is not None:
+                m.ttft.observe(ex.first_token)
+                for gap in ex.chunk_gaps:
+                    m.itl.observe(gap)
+        self.metrics.count(self.metrics.requests, ex.model, str(ex.status))
+        if ex.error:
+            self.metrics.count(self.metrics.failures, ex.model, ex.error)
+        if self.config.access_log:
+            access_log.info(json.dumps({
+                "ts": round(time.time(), 3), "request_id": ex.request_id, "path": ex.path, "model": ex.model,
+                "key": ex.key, "status": ex.status, "mode": ex.mode, "upstream": ex.upstream,
+                "retries": ex.retries, "ttft_ms": None if ex.first_token is None else round(ex.first_token * 1e3, 3),
+                "duration_ms": round(elapsed * 1e3, 3), "error": ex.error,
+            }))
+
+    # --- routes ---------------------------------------------------------------------------
+
+    async def completions(self, request: Request, out: Responder, ex: Exchange) -> None:
+        await self._generate(request, out, ex, "completions")
+
+    async def chat(self, request: Request, out: Responder, ex: Exchange) -> None:
+        await self._generate(request, out, ex, "chat")
+
+    async def models(self, request: Request, out: Responder, ex: Exchange) -> None:
+        self.auth.check(request.headers.get("authorization"))
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "kvflow",
+                 "root": name, "parent": self.loras.get(name)} for name in self.names]
+        send_json(out, 200, {"object": "list", "data": data}, ex.request_id)
+
+    async def health(self, request: Request, out: Responder, ex: Exchange) -> None:
+        send_json(out, 200, {"status": "ok", "models": list(self.pools)}, ex.request_id)
+
+    async def prometheus(self, request: Request, out: Responder, ex: Exchange) -> None:
+        for pool in self.pools.values():  # gauges are read when scraped: nothing on the hot path
+            pool.metrics.inflight.set(pool.gate.queue.inflight)
+            pool.metrics.queued.set(pool.gate.queue.waiting)
+        routers = [getattr(getattr(p.router, "metrics", None), "registry", None) for p in self.pools.values()]
+        body = self.metrics.render(r for r in routers if isinstance(r, CollectorRegistry))
+        out.send(200, body, [("Content-Type", CONTENT_TYPE)])
+
+    # --- the data path --------------------------------------------------------------------
+
+    async def _generate(self, request: Request, out: Responder, ex: Exchange, kind: str) -> None:
+        key = self.auth.check(request.headers.get("authorization"))
+        ex.key = key.name
+        body = parse_json(request.body)
+        validate(kind, body)  # type: ignore[arg-type]
+        found = self.names.get(body["model"])
+        if found is None:
+            raise ModelNotFoundError(body["model"])
+        pool, lora = found
+        ex.model = pool.model
+        self.limiter.check(key.name)
+        await pool.gate.acquire(self._priority(request, key))
+        try:
+            await self._serve(request, out, ex, pool, body, lora)
+        finally:
+            pool.gate.release()
+
+    def _priority(self, request: Request, key: ApiKey) -> int:
+        if key.priority is not None:
+            return key.priority
+        text = request.headers.get(self._priority_header)
+        if text is None:
+            return 0
+        try:
+            return int(text)
+        except ValueError:
+            raise InvalidRequestError(f"{self._priority_header} must be an integer", param="priority") from None
+
+    async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
+                     lora: str | None) -> None:
+        router = pool.router
+        sreq = SchedulingRequest(ex.request_id, pool.model, router.tokenize(body), request.headers, lora)
+        result: SchedulingResult = router.schedule(sreq)
+        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+        if self._forward_auth and "authorization" in request.headers:
+            upstream_headers["Authorization"] = request.headers["authorization"]
+        router.request_started(sreq, result)
+        ok = False
+        try:
+            payload = request.body
+            if result.prefill is not None:
+                payload = await self._prefill(ex, pool, result.prefill, request.path, body, upstream_headers)
+            else:
+                ex.mode = "aggregated"
+            self.metrics.count(self.metrics.mode, pool.model, ex.mode)
+
+            def failed(endpoint: Endpoint, failure: AttemptFailed) -> None:
+                self._attempt_failed(pool, endpoint, failure)
+
+            answer = await try_targets(self.upstream, ex, result.targets[: self._attempts], request.path, payload,
+                                       upstream_headers, stream=body.get("stream") is True, on_failure=failed)
+            if answer.first_chunk is None:
+                whole_response(out, ex, answer)
+                ok = ex.status < 500
+            else:
+                await stream_response(out, ex, answer, self._idle)
+                ok = ex.error is None
+        finally:
+            router.request_finished(sreq, result, ok=ok)
+
+    async def _prefill(self, ex: Exchange, pool: Pool, endpoint: Endpoint, path: str, body: dict[str, Any],
+                       headers: Mapping[str, str]) -> bytes:
+        try:
+            params = await prefill(self.upstream, endpoint, path, body, headers)
+            ex.mode = "pd"
+        except AttemptFailed as failure:  # the decode pod computes the prompt itself
+            self._attempt_failed(pool, endpoint, failure, retry=False)
+            params, ex.mode = None, "pd_fallback"
+        return encode(decode_body(body, params))
+
+    def _attempt_failed(self, pool: Pool, endpoint: Endpoint, failure: AttemptFailed, *, retry: bool = True) -> None:
+        log.warning("attempt on %s failed: %s", endpoint.id, failure)
+        self.metrics.count(self.metrics.failures, pool.model, failure.reason)
+        if retry:
+            self.metrics.count(self.metrics.retries, pool.model, failure.reason)
+        if failure.dead:
+            pool.router.mark_failed(endpoint)
+
+
+def build_gateway(config: GatewayConfig, auth: Authenticator,
+                  routers: Mapping[str, PoolRouter] | None = None) -> tuple[Gateway, dict[str, PoolRouter]]:
+    """The gateway for ``config``; ``routers`` replaces the kvflow.router.Router of each model (tests)."""
+    metrics = GatewayMetrics()
+    chosen = dict(routers) if routers is not None else {p.model: build_router(p) for p in config.pools}
+    pools = {model: build_pool(model, router, config.flow, metrics) for model, router in chosen.items()}
+    return Gateway(config, pools, auth, metrics, Upstream(config.timeouts)), chosen

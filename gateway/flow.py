@@ -1,0 +1,190 @@
+"""Flow control: a bounded priority queue per model and token-bucket rate limits per API key.
+
+The decisions are pure and clocked from outside (``AdmissionQueue``, ``TokenBucket``), so tests
+drive them with a fake clock; ``Gate`` is the thin asyncio layer that parks a request on a
+future until the queue lets it through.
+
+Order in the queue: higher priority first, then first come first served. When the queue is
+full a newcomer displaces the most recent of the lowest-priority waiters if it outranks them,
+and is shed otherwise; a displaced or timed-out waiter gets a 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, TypeVar
+
+from kvflow.errors import RateLimitError
+
+W = TypeVar("W", bound=Hashable)
+Clock = Callable[[], float]
+
+
+class Decision(Enum):
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    SHED = "shed"
+
+
+@dataclass(frozen=True, slots=True)
+class Admission(Generic[W]):
+    decision: Decision
+    displaced: W | None = None
+    """A waiter pushed out of a full queue by this newcomer; the caller sheds it."""
+
+
+@dataclass
+class AdmissionQueue(Generic[W]):
+    """At most ``max_inflight`` admitted requests and ``max_queue`` waiting ones (None: unlimited)."""
+
+    max_inflight: int | None
+    max_queue: int
+    inflight: int = 0
+    _heap: list[tuple[int, int, W]] = field(default_factory=list)
+    _gone: set[W] = field(default_factory=set)
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._heap) - len(self._gone)
+
+    def admit(self, priority: int, waiter: W) -> Admission[W]:
+        if self.max_inflight is None or (self.inflight < self.max_inflight and not self.waiting):
+            self.inflight += 1
+            return Admission(Decision.ADMITTED)
+        displaced = None
+        if self.waiting >= self.max_queue:
+            displaced = self._lowest_below(priority)
+            if displaced is None:
+                return Admission(Decision.SHED)
+            self.cancel(displaced)
+        heapq.heappush(self._heap, (-priority, next(self._seq), waiter))
+        return Admission(Decision.QUEUED, displaced)
+
+    def release(self) -> W | None:
+        """A request finished: the waiter that now takes its slot, if any (already counted in)."""
+        self.inflight -= 1
+        while self._heap:
+            _, _, waiter = heapq.heappop(self._heap)
+            if waiter in self._gone:
+                self._gone.discard(waiter)
+                continue
+            self.inflight += 1
+            return waiter
+        return None
+
+    def cancel(self, waiter: W) -> None:
+        """Forget a waiter that left (timeout, disconnect, displaced); removed lazily."""
+        if any(w == waiter for _, _, w in self._heap):
+            self._gone.add(waiter)
+
+    def _lowest_below(self, priority: int) -> W | None:
+        live = [entry for entry in self._heap if entry[2] not in self._gone]
+        if not live:
+            return None
+        neg_priority, _, waiter = max(live, key=lambda e: (e[0], e[1]))
+        return waiter if -neg_priority < priority else None
+
+
+class TokenBucket:
+    """``rate`` tokens a second, up to ``burst`` saved; a request takes one."""
+
+    __slots__ = ("rate", "burst", "_tokens", "_last")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._tokens, self._last = float(burst), now
+
+    def take(self, now: float) -> float:
+        """0 if a token was taken, else the seconds until one will be there."""
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return 0.0
+        return (1 - self._tokens) / self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    rate: float
+    burst: int = 1
+
+
+class RateLimiter:
+    """One bucket per API key name, made on first use from the key's own rate or the default."""
+
+    def __init__(self, rates: Mapping[str, Rate], default: Rate | None, clock: Clock = time.monotonic) -> None:
+        self._rates, self._default, self._clock = dict(rates), default, clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def check(self, key_name: str) -> None:
+        bucket = self._buckets.get(key_name)
+        if bucket is None:
+            rate = self._rates.get(key_name, self._default)
+            if rate is None:
+                return
+            bucket = self._buckets[key_name] = TokenBucket(rate.rate, rate.burst, self._clock())
+        wait = bucket.take(self._clock())
+        if wait:
+            raise RateLimitError(f"rate limit exceeded for key {key_name!r}", retry_after=wait)
+
+
+class Gate:
+    """The asyncio side of one model's AdmissionQueue."""
+
+    def __init__(self, max_inflight: int | None, max_queue: int, queue_timeout: float) -> None:
+        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(max_inflight, max_queue)
+        self.queue_timeout = queue_timeout
+        self.unlimited = max_inflight is None
+
+    async def acquire(self, priority: int) -> None:
+        if self.unlimited:  # the common case costs one increment
+            self.queue.inflight += 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        admission = self.queue.admit(priority, future)
+        if admission.displaced is not None:
+            admission.displaced.set_exception(_shed("displaced by a higher-priority request"))
+        if admission.decision is Decision.ADMITTED:
+            return
+        if admission.decision is Decision.SHED:
+            raise _shed("the queue for this model is full")
+        await self._wait(future)
+
+    async def _wait(self, future: asyncio.Future[None]) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.queue_timeout)
+        except TimeoutError:
+            self._leave(future)
+            raise _shed(f"waited {self.queue_timeout:g}s in the queue") from None
+        except asyncio.CancelledError:
+            self._leave(future)
+            raise
+
+    def _leave(self, future: asyncio.Future[None]) -> None:
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self.release()  # admitted just as we gave up: hand the slot on
+        else:
+            self.queue.cancel(future)
+            future.cancel()
+
+    def release(self) -> None:
+        if self.unlimited:
+            self.queue.inflight -= 1
+            return
+        while (waiter := self.queue.release()) is not None:
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+            # a waiter that already left holds no slot: pass it on to the next one
+
+
+def _shed(why: str) -> RateLimitError:
+    return RateLimitError(f"too many requests: {why}; retry later", retry_after=1.0)

@@ -1,0 +1,288 @@
+"""A small HTTP/1.1 client for the gateway's one job: POST a body to a pod over a pooled
+keep-alive connection and hand back the answer as it arrives.
+
+Why not aiohttp's client: profiled under load it was one of the two largest costs of the gateway
+per request, after the system calls (docs/gateway.md). This client is an ``asyncio.Protocol`` with the
+``httptools`` parser (C), one keep-alive pool per pod, and no per-request tasks or queues:
+a response is a buffer of chunks plus one waiter future.
+
+    pool = ConnectionPool(connect_timeout=5)
+    response = await pool.post(host, port, "/v1/completions", body, headers, timeout=300)
+    data = await response.read()       # or: while chunk := await response.readany(): ...
+    response.release()                 # back to the pool (or response.close() to abort)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable
+
+import httptools
+
+_PAUSE_AT = 1 << 20  # buffered bytes of a response before we stop reading from the pod
+
+
+class ResponseError(ConnectionError):
+    """The pod closed the connection or sent something unparseable."""
+
+
+class ConnectError(ConnectionError):
+    """No connection to the pod could be opened (refused, unreachable, or too slow)."""
+
+
+class Response:
+    __slots__ = ("status", "headers", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter", "_keep_alive")
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._keep_alive = False
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "")
+
+    async def readany(self, timeout: float | None = None) -> bytes:
+        """The next piece of the body as it arrived; b"" at the end."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return b""
+            await self._wait(timeout)
+        chunk = self._chunks.popleft()
+        self._buffered -= len(chunk)
+        if self._buffered < _PAUSE_AT:
+            self._conn.resume()
+        return chunk
+
+    async def read(self, timeout: float | None = None) -> bytes:
+        while not self._done:
+            if self._error is not None:
+                raise self._error
+            await self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        return data
+
+    async def _wait(self, timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(timeout, self._timed_out) if timeout else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self) -> None:
+        self._fail(TimeoutError("the pod sent nothing in time"))
+        self._conn.abort()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None and not self._done:
+            self._error = exc
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def release(self) -> None:
+        """Give the connection back for the next request, if the answer was read to its end."""
+        if self._done and self._error is None and self._keep_alive:
+            self._conn.give_back()
+        else:
+            self._conn.abort()
+
+    def close(self) -> None:
+        """Drop the connection: the pod sees the client go and aborts the request."""
+        self._conn.abort()
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, pool: ConnectionPool, key: tuple[str, int]) -> None:
+        self.pool, self.key = pool, key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.headers_waiter: asyncio.Future[Response] | None = None
+        self.closed = False
+        self.paused = False
+        self.used = False
+        self._header_name = b""
+
+    # --- asyncio.Protocol -----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._lost(ResponseError(f"bad HTTP from the pod: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(ResponseError(f"connection closed by the pod{f': {exc}' if exc else ''}"))
+
+    def _lost(self, exc: Exception) -> None:
+        self.closed = True
+        if self.headers_waiter is not None and not self.headers_waiter.done():
+            self.headers_waiter.set_exception(exc)
+        if self.response is not None:
+            self.response._fail(exc)
+        self.pool._forget(self)
+
+    # --- httptools callbacks --------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response.status = self.parser.get_status_code()
+        response._keep_alive = self.parser.should_keep_alive()
+        waiter = self.headers_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        response = self.response
+        assert response is not None
+        response._chunks.append(body)
+        response._buffered += len(body)
+        if response._buffered >= _PAUSE_AT and self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        response._wake()
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response._done = True
+        response._wake()
+
+    # --- used by Response and the pool ----------------------------------------------------
+    def resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+        self.pool._forget(self)
+
+    def give_back(self) -> None:
+        if self.closed:
+            return
+        self.response = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.pool._idle.setdefault(self.key, []).append(self)
+
+    def send(self, head: bytes, body: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Response]:
+        assert self.transport is not None
+        self.used = True
+        self.response = Response(self)
+        self.headers_waiter = loop.create_future()
+        self.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self.transport.write(body)
+        return self.headers_waiter
+
+
+class ConnectionPool:
+    """Keep-alive connections per (host, port), most recently used first."""
+
+    def __init__(self, connect_timeout: float = 5.0) -> None:
+        self.connect_timeout = connect_timeout
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._all: set[_Connection] = set()
+
+    async def post(self, host: str, port: int, path: str, body: bytes, headers: Iterable[tuple[str, str]],
+                   timeout: float | None = None, method: str = "POST") -> Response:
+        """Send; the response once its headers are in (a ConnectionError or TimeoutError otherwise)."""
+        head = _head(method, host, port, path, len(body), headers)
+        conn = self._reuse((host, port))
+        if conn is not None:
+            try:
+                return await self._exchange(conn, head, body, timeout)
+            except ResponseError:
+                if conn.response is not None and conn.response.status:
+                    raise
+                # a kept-alive connection the pod had already closed: once more on a fresh one
+        conn = await self._connect((host, port))
+        return await self._exchange(conn, head, body, timeout)
+
+    def _reuse(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self, key), *key), self.connect_timeout
+            )
+        except (OSError, TimeoutError) as exc:
+            raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc or type(exc).__name__}") from None
+        self._all.add(conn)
+        return conn
+
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeout: float | None) -> Response:
+        loop = asyncio.get_running_loop()
+        waiter = conn.send(head, body, loop)
+        timer = loop.call_later(timeout, _expire, waiter, conn) if timeout else None
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            conn.abort()
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:  # closed while idle (the pod's keep-alive timeout): rare, O(n) is fine
+            idle.remove(conn)
+
+    def close(self) -> None:
+        for conn in list(self._all):
+            conn.abort()
+        self._idle.clear()
+
+
+def _expire(waiter: asyncio.Future[Response], conn: _Connection) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("the pod did not answer in time"))
+        conn.abort()
+
+
+def _head(method: str, host: str, port: int, path: str, length: int, headers: Iterable[tuple[str, str]]) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {length}\r\n"]
+    lines += [f"{name}: {value}\r\n" for name, value in headers]
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")

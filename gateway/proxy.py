@@ -1,0 +1,213 @@
+"""Upstream calls: one attempt per pod, retried on the router's next candidate, and the
+pass-through of streamed answers.
+
+A failure is retried only while nothing has reached the client: a refused or reset
+connection, a timeout, a 5xx, or a stream that ends before its first chunk. The client's
+response headers are therefore sent only once the first chunk is in hand; after that a
+dying pod ends the stream with an OpenAI-style error event (what vLLM itself sends), and a
+client that goes away closes the upstream connection, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+from kvflow.errors import KvflowError, UpstreamError
+from kvflow.gateway.config import TimeoutConfig
+from kvflow.gateway.http1 import ConnectError, ConnectionPool, Response
+from kvflow.gateway.httpserver import Responder
+from kvflow.types import Endpoint
+
+SSE_CONTENT_TYPE = "text/event-stream"
+_DONE = b"data: [DONE]\n\n"
+
+
+class AttemptFailed(Exception):
+    """One pod failed before anything reached the client; ``dead`` when it could not be reached."""
+
+    def __init__(self, reason: str, message: str, *, dead: bool = False) -> None:
+        super().__init__(message)
+        self.reason, self.dead = reason, dead
+
+
+OnFailure = Callable[[Endpoint, AttemptFailed], None]
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What the gateway learns about one request while serving it (access log and metrics)."""
+
+    request_id: str
+    path: str
+    start: float = field(default_factory=time.perf_counter)
+    model: str = "unknown"
+    key: str = "-"
+    status: int = 0
+    mode: str = "-"
+    upstream: str = "-"
+    retries: int = 0
+    error: str | None = None
+    first_token: float | None = None
+    chunk_gaps: list[float] = field(default_factory=list)
+
+
+def sse_error(exc: KvflowError) -> bytes:
+    """An error event in the shape vLLM streams, which the OpenAI clients raise as APIError."""
+    return b"data: " + json.dumps(exc.body()).encode() + b"\n\n" + _DONE
+
+
+class Upstream:
+    """The gateway's connections to the pods: one keep-alive pool, shared by all requests."""
+
+    def __init__(self, timeouts: TimeoutConfig) -> None:
+        self.timeouts = timeouts
+        self.pool = ConnectionPool(timeouts.connect)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self.pool.close()
+
+    async def send(self, endpoint: Endpoint, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
+        """The pod's response, headers read; a 5xx or an unreachable pod raises AttemptFailed."""
+        try:
+            response = await self.pool.post(endpoint.host, endpoint.port, path, body, headers.items(),
+                                            timeout=self.timeouts.first_byte)
+        except ConnectError as exc:
+            raise AttemptFailed("connect", f"{endpoint.id}: {exc}", dead=True) from None
+        except TimeoutError:
+            raise AttemptFailed("timeout", f"{endpoint.id}: no answer in {self.timeouts.first_byte:g}s") from None
+        except OSError as exc:
+            raise AttemptFailed("disconnect", f"{endpoint.id}: {exc}") from None
+        if response.status >= 500:
+            detail = await self._drain(response)
+            raise AttemptFailed(f"status_{response.status}", f"{endpoint.id}: HTTP {response.status} {detail}")
+        return response
+
+    async def read_body(self, endpoint: Endpoint, response: Response) -> bytes:
+        try:
+            body = await response.read(self.timeouts.idle)
+        except (OSError, TimeoutError) as exc:
+            response.close()
+            raise AttemptFailed("body", f"{endpoint.id}: answer cut short: {exc}") from None
+        response.release()
+        return body
+
+    async def first_chunk(self, endpoint: Endpoint, response: Response) -> bytes:
+        try:
+            chunk = await response.readany(self.timeouts.first_byte)
+        except (OSError, TimeoutError) as exc:
+            response.close()
+            raise AttemptFailed("stream_start", f"{endpoint.id}: stream failed: {exc}") from None
+        if not chunk:
+            response.close()
+            raise AttemptFailed("stream_start", f"{endpoint.id}: stream ended before its first chunk")
+        return chunk
+
+    async def _drain(self, response: Response) -> str:
+        try:
+            text = (await response.read(self.timeouts.idle))[:200].decode(errors="replace")
+        except (OSError, TimeoutError):
+            text = ""
+        response.release()
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A pod's answer that nothing has been sent of yet: a whole body, or a stream's first chunk."""
+
+    endpoint: Endpoint
+    response: Response
+    body: bytes | None = None
+    first_chunk: bytes | None = None
+
+
+async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoint], path: str,
+                      body: bytes, headers: Mapping[str, str], *, stream: bool,
+                      on_failure: OnFailure | None = None) -> Answer:
+    """The first pod in ``targets`` that answers; UpstreamError when none does.
+
+    ``on_failure(endpoint, failure)`` hears about every failed attempt (metrics, router).
+    """
+    failures: list[str] = []
+    for endpoint in targets:
+        if failures:
+            ex.retries += 1
+        try:
+            response = await upstream.send(endpoint, path, body, headers)
+            ex.upstream = endpoint.id
+            if stream and response.status == 200:
+                return Answer(endpoint, response, first_chunk=await upstream.first_chunk(endpoint, response))
+            return Answer(endpoint, response, body=await upstream.read_body(endpoint, response))
+        except AttemptFailed as failure:
+            failures.append(str(failure))
+            if on_failure is not None:
+                on_failure(endpoint, failure)
+    tried = "; ".join(failures) or "no endpoint to try"
+    raise UpstreamError(f"no model server could serve the request ({tried})")
+
+
+def whole_response(out: Responder, ex: Exchange, answer: Answer) -> None:
+    assert answer.body is not None
+    ex.status = answer.response.status
+    out.send(ex.status, answer.body, [("Content-Type", answer.response.content_type or "application/json"),
+                                      ("X-Request-Id", ex.request_id)])
+
+
+async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: float) -> None:
+    """Pass a stream through chunk by chunk as it arrives; never buffer."""
+    upstream = answer.response
+    ex.status = upstream.status
+    now = time.perf_counter()
+    ex.first_token = now - ex.start
+    try:
+        out.start(upstream.status, [("Content-Type", upstream.content_type or SSE_CONTENT_TYPE),
+                                    ("Cache-Control", "no-cache"), ("X-Request-Id", ex.request_id)])
+        await out.write(answer.first_chunk or b"")
+        await _pump(upstream, out, ex, now, idle)
+        out.end()
+    except ConnectionResetError:  # the client left: closing (not releasing) aborts the upstream request
+        upstream.close()
+        ex.error = "client_disconnect"
+    except asyncio.CancelledError:
+        upstream.close()
+        ex.error = "client_disconnect"
+        raise
+
+
+async def _pump(upstream: Response, out: Responder, ex: Exchange, last: float, idle: float) -> None:
+    read, gaps, write = upstream.readany, ex.chunk_gaps, out.write
+    while True:
+        try:
+            chunk = await read(idle)
+        except (OSError, TimeoutError) as exc:
+            upstream.close()
+            ex.error = "midstream"
+            await write(sse_error(UpstreamError(
+                f"the model server {ex.upstream} failed mid-stream ({exc}); the answer is incomplete"
+            )))
+            return
+        if not chunk:
+            upstream.release()
+            return
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        await write(chunk)
+
+
+def send_json(out: Responder, status: int, data: object, request_id: str,
+              extra: Sequence[tuple[str, str]] = ()) -> None:
+    body = json.dumps(data, separators=(",", ":")).encode()
+    out.send(status, body, [("Content-Type", "application/json"), ("X-Request-Id", request_id), *extra])
+
+
+def send_error(out: Responder, exc: KvflowError, request_id: str) -> None:
+    send_json(out, exc.status, exc.body(), request_id, list(exc.headers().items()))

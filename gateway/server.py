@@ -1,0 +1,75 @@
+"""Start and stop a gateway in a running event loop: ``serve(config)`` for the CLI and
+``kvflow up``, ``start_gateway(config)`` for tests that want a handle back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvflow.errors import InvalidRequestError, KvflowError, PayloadTooLargeError
+from kvflow.gateway import auth as auth_mod
+from kvflow.gateway.app import Gateway, build_gateway
+from kvflow.gateway.config import AuthConfig, GatewayConfig
+from kvflow.gateway.httpserver import Handler, Responder, serve_http
+from kvflow.gateway.pools import PoolRouter
+from kvflow.gateway.proxy import send_error
+
+
+async def load_auth(config: AuthConfig) -> auth_mod.Authenticator:
+    if not config.enabled:
+        return auth_mod.Authenticator(None)
+    keys: dict[bytes, auth_mod.ApiKey] = {}
+    if config.keys_file:
+        keys.update(auth_mod.load_file(config.keys_file))
+    if config.secret:
+        keys.update(await auth_mod.load_secret(config.secret))
+    return auth_mod.Authenticator(keys)
+
+
+def reject(out: Responder, status: int, message: str) -> None:
+    """Answers for requests that never reach a handler (malformed HTTP, oversized bodies)."""
+    exc: KvflowError = {400: InvalidRequestError, 413: PayloadTooLargeError}.get(status, KvflowError)(message)
+    send_error(out, exc, "-")
+
+
+async def listen(handler: Handler, host: str, port: int, max_body: int,
+                 reuse_port: bool = False) -> tuple[asyncio.Server, int]:
+    server = await serve_http(handler, reject, host, port, max_body=max_body, reuse_port=reuse_port)
+    return server, server.sockets[0].getsockname()[1]
+
+
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+    routers: dict[str, PoolRouter]
+    server: asyncio.Server
+    port: int
+
+    async def close(self) -> None:
+        self.server.close()
+        for router in self.routers.values():
+            await router.stop()
+        await self.gateway.upstream.stop()
+
+
+async def start_gateway(config: GatewayConfig, routers: Mapping[str, PoolRouter] | None = None) -> RunningGateway:
+    """Serve ``config`` (``port=0`` picks a free port); ``routers`` stand in for kvflow.router (tests)."""
+    gateway, chosen = build_gateway(config, await load_auth(config.auth), routers)
+    await gateway.upstream.start()
+    for router in chosen.values():
+        await router.start()
+    server, port = await listen(gateway.handle, config.host, config.port, config.max_body_bytes,
+                                reuse_port=config.workers > 1)
+    return RunningGateway(gateway, chosen, server, port)
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until cancelled."""
+    running = await start_gateway(config)
+    print(f"kvflow gateway listening on http://{config.host}:{running.port} "
+          f"(models: {', '.join(p.model for p in config.pools)})", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await running.close()

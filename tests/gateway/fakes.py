@@ -1,0 +1,125 @@
+"""Test doubles at the gateway's own seams: a scripted router (``PoolRouter``) and small
+in-process model servers whose behaviour a test sets per request (answer, 5xx, die mid-stream,
+hang). The real simulator and router are used by the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from kvflow.router.model import SchedulingRequest, SchedulingResult
+from kvflow.types import Endpoint
+
+
+@dataclass
+class ScriptedRouter:
+    """Targets in the given order (rotated per request when ``rotate``); prefill when set."""
+
+    targets: Sequence[Endpoint]
+    prefill: Endpoint | None = None
+    rotate: bool = False
+    started: list[str] = field(default_factory=list)
+    finished: list[tuple[str, bool]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    scheduled: list[SchedulingRequest] = field(default_factory=list)
+    _n: int = 0
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def tokenize(self, body: Mapping[str, Any]) -> list[int]:
+        return [1, 2, 3]
+
+    def schedule(self, request: SchedulingRequest) -> SchedulingResult:
+        self.scheduled.append(request)
+        targets = tuple(self.targets)
+        if self.rotate:
+            k = self._n % len(targets)
+            targets, self._n = targets[k:] + targets[:k], self._n + 1
+        return SchedulingResult("default", targets, self.prefill, 0)
+
+    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        self.started.append(request.request_id)
+
+    def request_finished(self, request: SchedulingRequest, result: SchedulingResult, *, ok: bool) -> None:
+        self.finished.append((request.request_id, ok))
+
+    def mark_failed(self, endpoint: Endpoint) -> None:
+        self.failed.append(endpoint.id)
+
+    @property
+    def endpoints(self) -> Sequence[Endpoint]:
+        return self.targets
+
+
+@dataclass
+class FakePod:
+    """A model server answering like vLLM; ``behaviour``: ok, 400, 500, stall (never answers),
+    die (drops the connection after the first chunk), hang (silent after the first chunk)."""
+
+    name: str
+    behaviour: str = "ok"
+    chunks: int = 3
+    received: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    cancelled: int = 0
+    endpoint: Endpoint | None = None
+    runner: web.AppRunner | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        if self.behaviour == "stall":
+            await asyncio.sleep(3600)
+        if self.behaviour == "500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.behaviour == "400":
+            return web.json_response({"error": {"message": "bad prompt", "type": "BadRequestError"}}, status=400)
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            return web.json_response({"id": "p", "choices": [{"text": "x"}], "kv_transfer_params": {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{self.name}",
+                "remote_block_ids": [0, 1], "remote_host": "127.0.0.1", "remote_port": 5600}})
+        if not body.get("stream"):
+            return web.json_response({"id": "c", "object": "text_completion", "model": body["model"],
+                                      "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}],
+                                      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        try:
+            for i in range(self.chunks):
+                if self.behaviour == "die" and i == 1:
+                    request.transport.close()  # type: ignore[union-attr]
+                    return out
+                if self.behaviour == "hang" and i == 1:
+                    await asyncio.sleep(3600)
+                chunk = {"id": "c", "object": "text_completion", "model": body["model"],
+                         "choices": [{"index": 0, "text": f"{self.name}-{i} ", "finish_reason": None}]}
+                await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await out.write(b"data: [DONE]\n\n")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return out
+
+    async def start(self, host: str) -> Endpoint:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.endpoint = Endpoint(host, port)
+        return self.endpoint
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()

@@ -1,0 +1,192 @@
+"""The gateway's own HTTP/1.1 server and client, checked against independent implementations
+(raw sockets, aiohttp) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvflow.gateway.http1 import ConnectError, ConnectionPool
+from kvflow.gateway.httpserver import Request, Responder, serve_http
+from kvflow.gateway.server import reject
+
+
+async def echo(request: Request, out: Responder) -> None:
+    if request.path == "/stream":
+        out.start(200, [("Content-Type", "text/event-stream")])
+        for i in range(3):
+            await out.write(f"data: {i}\n\n".encode())
+        out.end()
+        return
+    if request.path == "/hang":
+        await asyncio.sleep(3600)
+    data = {"method": request.method, "path": request.path, "query": request.query,
+            "body": request.body.decode(), "x": request.headers.get("x-thing")}
+    out.send(200, json.dumps(data).encode(), [("Content-Type", "application/json")])
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[str]:
+    srv = await serve_http(echo, reject, "127.0.0.1", 0, max_body=100)
+    yield f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    srv.close()
+
+
+async def raw(address: str, data: bytes, read_until_close: bool = True) -> bytes:
+    host, port = address.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    out = await asyncio.wait_for(reader.read(-1) if read_until_close else reader.read(65536), 5)
+    writer.close()
+    return out
+
+
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order(server: str) -> None:
+    one = b"POST /a?q=1 HTTP/1.1\r\nHost: x\r\nX-Thing: t\r\nContent-Length: 3\r\n\r\nabc"
+    two = b"GET /b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    text = (await raw(server, one + two)).decode()
+    bodies = [json.loads(part.split("\r\n\r\n", 1)[1].split("HTTP/1.1")[0]) for part in text.split("HTTP/1.1 200")[1:]]
+    assert bodies == [{"method": "POST", "path": "/a", "query": "q=1", "body": "abc", "x": "t"},
+                      {"method": "GET", "path": "/b", "query": "", "body": "", "x": None}]
+    assert "Connection: close" in text.rsplit("HTTP/1.1 200", 1)[1]
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "type_"), [
+    (b"NONSENSE\r\n\r\n", 400, "BadRequestError"),
+    (b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n" + b"x" * 101, 413, "BadRequestError"),
+    (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n65\r\n" + b"x" * 101 + b"\r\n0\r\n\r\n", 413,
+     "BadRequestError"),
+], ids=["malformed", "content-length-over-limit", "chunked-over-limit"])
+async def test_requests_that_never_reach_the_handler_get_openai_errors(server, request_bytes, status, type_) -> None:  # type: ignore[no-untyped-def]
+    head, _, body = (await raw(server, request_bytes)).partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode())
+    assert json.loads(body)["error"]["type"] == type_
+
+
+async def test_chunked_request_bodies_and_expect_continue(server: str) -> None:
+    text = (await raw(server, b"POST /c HTTP/1.1\r\nExpect: 100-continue\r\nTransfer-Encoding: chunked\r\n"
+                              b"Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")).decode()
+    assert text.startswith("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK")
+    assert json.loads(text.split("\r\n\r\n")[2])["body"] == "abcde"
+
+
+async def test_aiohttp_reads_streams_and_whole_answers(server: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://{server}/stream") as r:
+            assert (r.status, await r.text()) == (200, "data: 0\n\ndata: 1\n\ndata: 2\n\n")
+        async with session.post(f"http://{server}/p", data=b"hi") as r:
+            assert (await r.json())["body"] == "hi"
+
+
+async def test_a_client_that_leaves_cancels_the_handler() -> None:
+    cancelled = asyncio.Event()
+
+    async def slow(request: Request, out: Responder) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    srv = await serve_http(slow, reject, "127.0.0.1", 0, max_body=100)
+    _, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    writer.write(b"GET / HTTP/1.1\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.close()
+    await asyncio.wait_for(cancelled.wait(), 5)
+    srv.close()
+
+
+@pytest.fixture
+async def aio_server() -> AsyncIterator[tuple[str, int, list[str]]]:
+    """An aiohttp server: /json, /sse (chunked), /close (answers then closes the connection)."""
+    peers: list[str] = []
+
+    async def json_(request: web.Request) -> web.Response:
+        peers.append(str(request.transport.get_extra_info("peername")))  # type: ignore[union-attr]
+        return web.json_response({"got": (await request.read()).decode(), "h": request.headers.get("X-A")})
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(3):
+            await out.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.01)
+        return out
+
+    app = web.Application()
+    app.router.add_post("/json", json_)
+    app.router.add_post("/sse", sse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield "127.0.0.1", site._server.sockets[0].getsockname()[1], peers  # type: ignore[union-attr]
+    await runner.cleanup()
+
+
+async def test_pool_reuses_keep_alive_connections(aio_server) -> None:  # type: ignore[no-untyped-def]
+    host, port, peers = aio_server
+    pool = ConnectionPool()
+    for i in range(3):
+        r = await pool.post(host, port, "/json", f"b{i}".encode(), [("X-A", "1")], timeout=5)
+        assert (r.status, json.loads(await r.read(5))) == (200, {"got": f"b{i}", "h": "1"})
+        r.release()
+    assert len(set(peers)) == 1
+    pool.close()
+
+
+async def test_pool_streams_chunked_answers_piece_by_piece(aio_server) -> None:  # type: ignore[no-untyped-def]
+    host, port, _ = aio_server
+    pool = ConnectionPool()
+    r = await pool.post(host, port, "/sse", b"", [], timeout=5)
+    pieces = []
+    while chunk := await r.readany(5):
+        pieces.append(chunk)
+    assert b"".join(pieces) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n" and len(pieces) == 3
+    assert r.content_type == "text/event-stream"
+    r.release()
+    pool.close()
+
+
+async def test_pool_errors() -> None:
+    pool = ConnectionPool(connect_timeout=1)
+    with pytest.raises(ConnectError):
+        await pool.post("127.0.0.1", 1, "/", b"", [], timeout=1)
+    srv = await serve_http(echo, reject, "127.0.0.1", 0, max_body=100)
+    port = srv.sockets[0].getsockname()[1]
+    with pytest.raises(TimeoutError):
+        await pool.post("127.0.0.1", port, "/hang", b"", [], timeout=0.1)
+    srv.close()
+    pool.close()
+
+
+async def test_pool_replaces_a_connection_the_pod_closed_while_idle() -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/", ok)
+    runner = web.AppRunner(app, keepalive_timeout=0.05)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    pool = ConnectionPool()
+    try:
+        for _ in range(2):
+            r = await pool.post("127.0.0.1", port, "/", b"", [], timeout=5)
+            assert await r.read(5) == b"ok"
+            r.release()
+            await asyncio.sleep(0.3)  # the server closes the idle keep-alive connection
+        assert len(pool._all) == 0 and pool._idle.get(("127.0.0.1", port)) == []
+    finally:
+        pool.close()
+        await runner.cleanup()

@@ -1,0 +1,34 @@
+"""/metrics joins the gateway's families with every pool router's, each family once."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+from kvflow.gateway.metrics import GatewayMetrics
+
+
+def test_router_registries_merge_family_by_family() -> None:
+    gateway = GatewayMetrics()
+    gateway.count(gateway.requests, "m", "200")
+    routers = []
+    for pool, n in (("a", 1), ("b", 3)):
+        registry = CollectorRegistry()
+        Counter("kvflow_router_decisions", "Decisions", ["pool"], registry=registry).labels(pool).inc(n)
+        routers.append(registry)
+    lines = gateway.render(routers).decode().splitlines()
+    assert lines.count("# TYPE kvflow_router_decisions_total counter") == 1
+    assert 'kvflow_router_decisions_total{pool="a"} 1.0' in lines
+    assert 'kvflow_router_decisions_total{pool="b"} 3.0' in lines
+    assert 'kvflow_gateway_requests_total{model="m",status="200"} 1.0' in lines
+
+
+def test_histograms_are_cumulative_with_le_buckets() -> None:
+    metrics = GatewayMetrics()
+    e2e = metrics.model("m").e2e
+    for seconds in (0.001, 0.003, 0.2, 500.0):  # 0.001 sits in the le="0.001" bucket
+        e2e.observe(seconds)
+    lines = metrics.render().decode().splitlines()
+    for le, count in (("0.001", 1.0), ("0.005", 2.0), ("0.25", 3.0), ("120.0", 3.0), ("+Inf", 4.0)):
+        assert f'kvflow_gateway_request_duration_seconds_bucket{{le="{le}",model="m"}} {count}' in lines
+    assert 'kvflow_gateway_request_duration_seconds_count{model="m"} 4.0' in lines
+    assert 'kvflow_gateway_request_duration_seconds_sum{model="m"} 500.204' in lines
