@@ -24,7 +24,7 @@ import time
 
 from kvflow.router import Router, SchedulingRequest, load_config
 from kvflow.router.hashcache import BlockHashCache
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 GRID = [(4, 10_000), (64, 10_000), (64, 100_000), (64, 1_000_000), (256, 1_000_000), (1000, 1_000_000)]
 

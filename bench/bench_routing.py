@@ -26,7 +26,7 @@ from pathlib import Path
 from kvflow.procs import ProcessGroup, kvflow_argv
 from kvflow.router import Router, load_config
 from kvflow.router.loadtest import Outcome, Workload, run
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 PROFILES = ("round-robin", "least-load", "prefix-approx", "prefix-precise", "default")
 SCENARIOS = {"roomy": (420, 1), "tight": (260, 1), "tight-ha": (260, 2)}  # KV blocks per pod, routers

@@ -33,7 +33,7 @@ from kvflow.gateway.proxy import (
 )
 from kvflow.openai_api import validate
 from kvflow.router.model import SchedulingRequest, SchedulingResult
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 log = logging.getLogger("kvflow.gateway")
 access_log = logging.getLogger("kvflow.gateway.access")

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvflow.types import Endpoint, Role, parse_host_port
+from kvflow.endpoints import Endpoint, Role, parse_host_port
 
 
 class _Strict(BaseModel):

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvflow.gateway.proxy import AttemptFailed, Upstream
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 PREFILL_KV_PARAMS: Mapping[str, Any] = {
     "do_remote_decode": True,

@@ -12,7 +12,7 @@ from kvflow.gateway.config import FlowConfig, PoolConfig
 from kvflow.gateway.flow import Gate
 from kvflow.gateway.metrics import GatewayMetrics, ModelMetrics
 from kvflow.router.model import SchedulingRequest, SchedulingResult
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 
 class PoolRouter(Protocol):

@@ -21,7 +21,7 @@ from kvflow.errors import KvflowError, UpstreamError
 from kvflow.gateway.config import TimeoutConfig
 from kvflow.gateway.http1 import ConnectError, ConnectionPool, Response
 from kvflow.gateway.httpserver import Responder
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 SSE_CONTENT_TYPE = "text/event-stream"
 _DONE = b"data: [DONE]\n\n"

@@ -21,7 +21,7 @@ from kvflow.gateway.proxy import AttemptFailed, Exchange, Upstream, send_error, 
     whole_response
 from kvflow.gateway.server import listen
 from kvflow.openai_api import decode_json
-from kvflow.types import Endpoint, parse_host_port
+from kvflow.endpoints import Endpoint, parse_host_port
 
 PREFILLER_HEADER = "x-prefiller-host-port"
 log = logging.getLogger("kvflow.gateway.sidecar")

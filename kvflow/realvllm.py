@@ -118,8 +118,8 @@ def ensure_tiny_model(progress: Progress = _quiet) -> Path:
     script = Path(__file__).with_name("tinymodel_build.py")
     progress(f"building tiny model in {out}")
     env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
-    # -P: the script's folder (kvflow/) must not go on sys.path, where kvflow/types.py
-    # would shadow the stdlib's `types`.
+    # -P: keep the script's folder (kvflow/) off sys.path, so none of kvflow's modules can
+    # shadow a top-level import of the vLLM venv.
     _run_streaming([str(python), "-P", str(script), str(out)], progress, env=env)
     marker.write_text(json.dumps({"builder": script.name}) + "\n")
     return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.procs import Child, ProcessGroup, StartupError, kvflow_argv
-from kvflow.types import Role
+from kvflow.endpoints import Role
 
 POD_PORT = 8000
 SIM_BLOCK_SIZE = 16  # kvflow sim's default --block-size

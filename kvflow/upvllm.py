@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvflow import realvllm
 from kvflow.procs import ProcessGroup
-from kvflow.types import Role
+from kvflow.endpoints import Role
 from kvflow.up import StackPlan, serve
 
 MAX_SERVERS = 3

@@ -21,7 +21,7 @@ from kvflow.router.config import load_config, read_source
 from kvflow.router.extproc import serve
 from kvflow.router.router import Router
 from kvflow.tokenizer import load_tokenizer
-from kvflow.types import Endpoint, Role, parse_host_port
+from kvflow.endpoints import Endpoint, Role, parse_host_port
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvflow.hashing import HASH_ALGOS
 from kvflow.router.plugins import REGISTRY, validate
-from kvflow.types import Endpoint, Role, parse_host_port
+from kvflow.endpoints import Endpoint, Role, parse_host_port
 
 
 class _Strict(BaseModel):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from kvflow.router.model import EndpointView, EngineMetrics
-from kvflow.types import Endpoint, EndpointId
+from kvflow.endpoints import Endpoint, EndpointId
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.router.extproc import DESTINATION_HEADER
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 _T = "type.googleapis.com/envoy."
 

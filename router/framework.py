@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from kvflow.errors import NoCapacityError
 from kvflow.router.hashcache import RequestHashes
 from kvflow.router.model import EndpointView, SchedulingRequest, SchedulingResult
-from kvflow.types import EndpointId
+from kvflow.endpoints import EndpointId
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvflow.router.config import KubernetesSpec
-from kvflow.types import Endpoint, Role
+from kvflow.endpoints import Endpoint, Role
 
 log = logging.getLogger(__name__)
 

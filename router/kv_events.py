@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
-from kvflow.types import Endpoint, EndpointId
+from kvflow.endpoints import Endpoint, EndpointId
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import aiohttp
 from kvflow.router.metrics_scrape import parse_metrics
 from kvflow.router.model import SchedulingRequest
 from kvflow.router.router import PROFILE_HEADER, Router
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 
 @dataclass(frozen=True, slots=True)

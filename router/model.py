@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kvflow.types import Endpoint, EndpointId
+from kvflow.endpoints import Endpoint, EndpointId
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 

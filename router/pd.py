@@ -16,7 +16,7 @@ from kvflow.router.framework import Cycle, Profile, ProfileRun
 from kvflow.router.model import EndpointView, SchedulingResult
 from kvflow.router.plugins.prefix_cache import prefix_matches
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
-from kvflow.types import Role
+from kvflow.endpoints import Role
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from kvflow.types import EndpointId
+from kvflow.endpoints import EndpointId
 
 
 def longest_prefixes(holders: dict[int, set[EndpointId]], chain: Iterable[int]) -> dict[EndpointId, int]:

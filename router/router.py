@@ -28,7 +28,7 @@ from kvflow.router.plugins import PluginContext, build
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
 from kvflow.router.scraper import Scraper
 from kvflow.tokenizer import Tokenizer, load_tokenizer, prompt_token_ids
-from kvflow.types import Endpoint, EndpointId
+from kvflow.endpoints import Endpoint, EndpointId
 
 PROFILE_HEADER = "x-kvflow-profile"
 """A request may name another configured profile (benchmarks, A/B tests)."""

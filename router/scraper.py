@@ -17,7 +17,7 @@ import aiohttp
 from kvflow.router.datastore import Datastore
 from kvflow.router.metrics_scrape import parse_metrics
 from kvflow.router.model import EngineMetrics
-from kvflow.types import Endpoint, EndpointId
+from kvflow.endpoints import Endpoint, EndpointId
 
 OnMetrics = Callable[[Endpoint, EngineMetrics], None]
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from kvflow.router.framework import Cycle, min_max_inverse
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
-from kvflow.types import EndpointId
+from kvflow.endpoints import EndpointId
 
 
 @register("active-request-scorer", "scorer")

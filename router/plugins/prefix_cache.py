@@ -23,7 +23,7 @@ from kvflow.router.framework import Cycle
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
-from kvflow.types import EndpointId
+from kvflow.endpoints import EndpointId
 
 
 def prefix_matches(

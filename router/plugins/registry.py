@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
-from kvflow.types import EndpointId
+from kvflow.endpoints import EndpointId
 
 Kind = Literal["filter", "scorer", "picker"]
 

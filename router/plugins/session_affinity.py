@@ -14,7 +14,7 @@ from pydantic import Field
 from kvflow.router.framework import Cycle
 from kvflow.router.model import EndpointView, SchedulingRequest, SchedulingResult
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
-from kvflow.types import EndpointId
+from kvflow.endpoints import EndpointId
 
 
 class SessionParams(NoParams):

@@ -37,8 +37,18 @@ def test_unknown_subcommand_is_a_one_line_error():
 
 
 def test_core_does_not_import_components():
-    for name in ("hashing", "tokenizer", "types", "errors", "openai_api", "procs"):
+    for name in ("hashing", "tokenizer", "endpoints", "errors", "openai_api", "procs"):
         source = (ROOT / "kvflow" / f"{name}.py").read_text()
         for component in ("kvflow.sim", "kvflow.router", "kvflow.gateway", "kvflow.operator"):
             assert component not in source, f"kvflow/{name}.py imports {component}"
     importlib.import_module("kvflow.cli")
+
+
+def test_no_module_shares_a_name_with_the_standard_library():
+    clashes = [
+        str(path.relative_to(ROOT))
+        for folder in ("kvflow", "sim", "router", "gateway", "operator")
+        for path in (ROOT / folder).rglob("*.py")
+        if path.stem in sys.stdlib_module_names
+    ]
+    assert clashes == []

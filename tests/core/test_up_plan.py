@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvflow.types import Role
+from kvflow.endpoints import Role
 from kvflow.up import plan_stack
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from kvflow.router.model import SchedulingRequest, SchedulingResult
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 
 @dataclass

@@ -13,7 +13,7 @@ from kvflow.gateway.auth import ANONYMOUS, ApiKey, Authenticator, keys_from_secr
 from kvflow.gateway.cli import config_from_args, parser
 from kvflow.gateway.flow import Rate
 from kvflow.gateway.pd import PREFILL_KV_PARAMS, decode_body, kv_params_of, prefill_body
-from kvflow.types import Role
+from kvflow.endpoints import Role
 
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
           "remote_block_ids": [3, 4], "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.router import load_config
-from kvflow.types import Role
+from kvflow.endpoints import Role
 
 
 def test_builtins_need_no_config() -> None:

@@ -10,7 +10,7 @@ from kvflow.procs import ProcessGroup, kvflow_argv
 from kvflow.router import Router, load_config
 from kvflow.router.datastore import Datastore
 from kvflow.router.model import EngineMetrics
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 A, B = Endpoint("127.0.0.2", 8000), Endpoint("127.0.0.3", 8000)
 

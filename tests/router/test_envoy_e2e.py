@@ -20,7 +20,7 @@ import yaml
 
 from kvflow.procs import Child, ProcessGroup, kvflow_argv
 from kvflow.router.envoy_config import Listener, envoy_binary, render
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 MODEL = "sim-model"
 

@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from kvflow.router import Router, load_config
 from kvflow.router.extproc import ExternalProcessor, _Exchange
 from kvflow.router.model import EngineMetrics
-from kvflow.types import Endpoint, Role
+from kvflow.endpoints import Endpoint, Role
 
 BODY = json.dumps({"model": "m", "prompt": " ".join(f"w{i}" for i in range(400)), "max_tokens": 1}).encode()
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvflow.router import load_config
 from kvflow.router.k8s import pod_endpoints, pool_selector, selector_text
-from kvflow.types import Role
+from kvflow.endpoints import Role
 
 
 def pod(

@@ -18,7 +18,7 @@ from kvflow.router.kv_events import (
     decode_batch,
 )
 from kvflow.router.prefix_index import PrefixIndex
-from kvflow.types import Endpoint
+from kvflow.endpoints import Endpoint
 
 
 # The wire layout vLLM uses (field order matters: array_like encodes by position).

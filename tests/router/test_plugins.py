@@ -12,7 +12,7 @@ from kvflow.router.hashcache import BlockHashCache
 from kvflow.router.model import EndpointView, EngineMetrics, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
-from kvflow.types import Endpoint, Role
+from kvflow.endpoints import Endpoint, Role
 
 CTX = PluginContext(ApproxPrefixIndex(), PrefixIndex())
 

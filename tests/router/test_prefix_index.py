@@ -7,7 +7,7 @@ import pytest
 from kvflow.hashing import hash_request_tokens, to_external
 from kvflow.router.hashcache import BlockHashCache
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, longest_prefixes
-from kvflow.types import EndpointId
+from kvflow.endpoints import EndpointId
 
 A, B, C = EndpointId("a:1"), EndpointId("b:1"), EndpointId("c:1")
 

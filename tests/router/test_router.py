@@ -7,7 +7,7 @@ import pytest
 from kvflow.errors import NoCapacityError, RateLimitError
 from kvflow.router import Router, SchedulingRequest, load_config
 from kvflow.router.model import EngineMetrics
-from kvflow.types import Endpoint, Role
+from kvflow.endpoints import Endpoint, Role
 
 PODS = [Endpoint(f"127.0.0.{i}", 8000) for i in range(2, 6)]
 PROMPT = list(range(1000, 1512))  # 32 blocks of 16

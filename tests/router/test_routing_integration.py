@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 from bench_routing import reset, router_config, start_pods  # noqa: E402
 
 from kvflow.procs import ProcessGroup  # noqa: E402
-from kvflow.types import Endpoint  # noqa: E402
+from kvflow.endpoints import Endpoint  # noqa: E402
 
 Pods = list[tuple[Endpoint, str]]
 
