@@ -112,6 +112,7 @@ class EngineGauges:
 class SimMetrics:
     def __init__(self, model_name: str, *, max_model_len: int, cache_info: dict[str, str],
                  max_loras: int | None = None) -> None:
+        self.model_name = model_name
         self.registry = r = CollectorRegistry(auto_describe=False)
         names = ["model_name", "engine"]
         values = self._labels = [model_name, "0"]
