@@ -114,3 +114,31 @@ def test_bad_arguments_are_a_one_line_error():
     proc = subprocess.run([sys.executable, "-m", "kvflow", "up", "--decode", "0"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "kvflow up: --decode must be at least 1"
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled sums of a pod's Prometheus samples, by metric name."""
+    totals: dict[str, float] = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1]
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def test_pd_stack_moves_kv_over_nixl(tmp_path: Path):
+    pytest.importorskip("nixl._api", reason="nixl is not installed (make install adds it)")
+    stack = start_stack(tmp_path, "--decode", "2", "--prefill", "1")
+    try:
+        long = "the quick brown fox jumps over the lazy dog " * 40  # ~370 tokens: over the P/D threshold
+        for i in range(4):
+            body = json.loads(post(f"{stack.url}/v1/completions", {"model": "sim-model", "prompt": f"{i}: {long}", "max_tokens": 8}))
+            assert body["usage"]["completion_tokens"] == 8
+        decode = [scrape(f"http://127.0.0.{host}:{stack.pod_port}/metrics") for host in (2, 3)]
+        assert sum(m["vllm:nixl_xfer_time_seconds_count"] for m in decode) == 4
+        assert sum(m["vllm:nixl_bytes_transferred_sum"] for m in decode) > 0
+        assert sum(m["kvflow_sim:nixl_pull_fallbacks_total"] for m in decode) == 0
+        gateway = scrape(f"{stack.url}/metrics")
+        assert gateway["kvflow_gateway_routed_total"] == 4
+    finally:
+        stop_stack(stack)
