@@ -2,15 +2,21 @@
 
 A *target* process owns one NIXL agent per model shape (as a prefill pod does) and a loopback
 TCP server over the same buffers; this process owns the matching *initiator* agents (a decode
-pod) and READs n blocks — ``2 × layers × n`` descriptors, with a completion notification, the
-way vLLM's NixlConnector reads. Each row is compared with a same-process numpy copy of the same
-number of bytes and with a loopback TCP copy of them.
+pod) and READs n blocks — ``2 × layers × n`` descriptors, without a notification (the decode
+pod notifies separately, as vLLM 0.32 does). Each row is compared with a same-process numpy copy
+of the same blocks (``np.copyto`` between two pools allocated as the agents' are: huge-page
+advised, pre-faulted) and with a loopback TCP copy of the same bytes. Every kind is warmed up,
+then sampled in turn, so a noisy neighbour slows all alike; ``--stat min`` keeps the best sample.
 
     python bench/bench_nixl.py [--repeat 15] [--shapes tiny,llama-3.2-1b,llama-3.1-8b]
     python bench/bench_nixl.py --idle      # CPU of idle `kvflow sim --kv-transfer nixl` pods
 
-``nixl ms``/``nixl GB/s`` are seen from the event loop (what a pull waits); ``in-thread`` is
-the READ alone, from posting to completion on the NIXL thread. Prints a table; no assertion.
+``nixl ms``/``nixl GB/s`` are seen from the event loop (what a pull's READ waits); ``in-thread``
+is the READ alone, from posting to completion on the NIXL thread; ``+verify`` is the READ with
+the decode pod's content check of every block (run on the NIXL thread), seen from the loop.
+``memcpy`` copies the same blocks between pools backed like the agents' (2 MiB pages);
+``memcpy 4K`` copies the same bytes between two contiguous malloc'ed arrays (4 KiB pages).
+Prints a table and the load average; no assertion.
 """
 
 from __future__ import annotations
@@ -36,12 +42,21 @@ from pathlib import Path
 import numpy as np
 
 from kvflow.procs import ProcessGroup, kvflow_argv
-from kvflow.sim.nixl_agent import NixlAgent, ProgressConfig
-from kvflow.sim.nixl_layout import MODEL_SHAPES, KVLayout, block_digests, write_blocks
+from kvflow.sim.nixl_agent import NixlAgent, ProgressConfig, map_buffer
+from kvflow.sim.nixl_layout import (
+    MODEL_SHAPES,
+    KVLayout,
+    as_regions,
+    block_digests,
+    mismatched_blocks,
+    write_blocks,
+)
 
 POOL_BYTES = 64 << 20
 COUNTS = (1, 8, 32, 128, 2048)
 MIB = 1 << 20
+WARMUP = 3
+TOKENS_PER_BLOCK = 16
 
 
 def layout_for(shape: str) -> KVLayout:
@@ -69,7 +84,7 @@ def target_main(shapes: list[str], pipe: Connection) -> None:
             await agent.start()
             agent.busy_holds = 1  # a prefill pod with blocks to hand out progresses promptly
             ids = list(range(agent.layout.num_blocks))
-            write_blocks(agent.regions, ids, block_digests(range(len(ids) * 16), 16, len(ids)))
+            write_blocks(agent.regions, ids, pool_digests(len(ids)))
         listener = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=_serve_tcp, args=(listener, [a.buffer for a in agents]), daemon=True).start()
         pipe.send(([(a.metadata, a.region_bases) for a in agents], listener.getsockname()[1]))
@@ -80,44 +95,92 @@ def target_main(shapes: list[str], pipe: Connection) -> None:
     asyncio.run(run())
 
 
+def pool_digests(num_blocks: int) -> list[bytes]:
+    """The target's block content: block i holds the stamp of tokens 0 .. 16(i+1) - 1."""
+    return block_digests(range(num_blocks * TOKENS_PER_BLOCK), TOKENS_PER_BLOCK, num_blocks)
+
+
 # -- measurements ---------------------------------------------------------------------------
 
 def tcp_copy(sock: socket.socket, index: int, into: np.ndarray, nbytes: int) -> None:
     sock.sendall(struct.pack("!iq", index, nbytes))
-    view, got = memoryview(into), 0
+    view, got = into.data.cast("B"), 0
     while got < nbytes:
         got += sock.recv_into(view[got:nbytes])
 
 
+def pool_like(layout: KVLayout) -> np.ndarray:
+    """A ``[region, block, ...]`` view of a buffer allocated the way an agent allocates its own."""
+    return as_regions(np.frombuffer(map_buffer(layout.total_bytes, prefault=True), dtype=np.uint8), layout)
+
+
 async def measure(agent: NixlAgent, remote: str, ids: list[int], sock: socket.socket, index: int,
-                  repeat: int, stat: Callable[[list[float]], float]) -> tuple[object, ...]:
-    """Medians of NIXL READs, numpy copies and TCP copies of the same bytes, sampled in turn
-    so that a noisy neighbour slows all three alike."""
+                  repeat: int, stat: Callable[[list[float]], float], warm: bool) -> tuple[object, ...]:
+    """NIXL READs (alone, and verified), numpy copies and TCP copies of the same blocks, in turn.
+
+    ``warm``: each timed sample follows an untimed run of the same kind, so its bytes are in cache
+    (back-to-back transfers); otherwise the other kinds ran in between and evicted them.
+    """
     layout = agent.layout
     nbytes = len(ids) * layout.bytes_per_block
-    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-    await agent.read(remote, ids, ids)  # warm-up: page faults, first-use costs
-    np.copyto(dst, src)
-    tcp_copy(sock, index, dst, nbytes)
-    e2e, inner, copy, tcp = [], [], [], []
-    for _ in range(repeat):
+    src, dst = pool_like(layout), pool_like(layout)
+    src[:] = 1
+    flat_src, flat_dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)  # malloc'ed: 4 KiB pages
+    n = len(ids)  # ids are 0 .. n-1: the copy takes the same n blocks of every region, as the READ does
+    digests = pool_digests(n)
+
+    e2e: list[float] = []
+
+    async def read() -> float:
         start = time.perf_counter()
         result = await agent.read(remote, ids, ids)
         e2e.append(time.perf_counter() - start)
-        inner.append(result.seconds)
+        return result.seconds
+
+    async def read_verified() -> float:
         start = time.perf_counter()
-        np.copyto(dst, src)
-        copy.append(time.perf_counter() - start)
+        result = await agent.read(remote, ids, ids, verify=lambda: mismatched_blocks(agent.regions, ids, digests))
+        assert result.mismatched == (), result.mismatched
+        return time.perf_counter() - start
+
+    async def copy() -> float:
         start = time.perf_counter()
-        tcp_copy(sock, index, dst, nbytes)
-        tcp.append(time.perf_counter() - start)
-    t_e2e, t_inner, t_copy, t_tcp = (stat(x) for x in (e2e, inner, copy, tcp))
-    return (agent.name.removeprefix("bench-init-"), layout.bytes_per_block // 1024, len(ids),
-            len(ids) * layout.num_regions, nbytes / MIB, t_e2e * 1e3, nbytes / t_e2e / 1e9,
-            nbytes / t_inner / 1e9, nbytes / t_copy / 1e9, nbytes / t_tcp / 1e9, t_copy / t_e2e)
+        np.copyto(dst[:, :n], src[:, :n])
+        return time.perf_counter() - start
+
+    async def copy_4k() -> float:
+        start = time.perf_counter()
+        np.copyto(flat_dst, flat_src)
+        return time.perf_counter() - start
+
+    async def tcp() -> float:
+        start = time.perf_counter()
+        tcp_copy(sock, index, dst.reshape(-1).view(np.uint8), nbytes)
+        return time.perf_counter() - start
+
+    kinds = (read, read_verified, copy, copy_4k, tcp)
+    for _ in range(WARMUP):  # page faults, first-use costs
+        for kind in kinds:
+            await kind()
+    samples: list[list[float]] = [[] for _ in kinds]
+    e2e.clear()
+    for _ in range(repeat):
+        for kind, times in zip(kinds, samples, strict=True):
+            if warm:
+                await kind()
+            times.append(await kind())
+    if warm:
+        del e2e[::2]  # the untimed runs
+    inner, verified, copies, copies_4k, tcps = samples
+    t_e2e, t_inner, t_verified, t_copy, t_4k, t_tcp = (stat(x) for x in (e2e, inner, verified, copies, copies_4k, tcps))
+    return (agent.name.removeprefix("bench-init-"), layout.bytes_per_block // 1024, n,
+            n * layout.num_regions, nbytes / MIB, t_e2e * 1e3, nbytes / t_e2e / 1e9,
+            nbytes / t_inner / 1e9, nbytes / t_verified / 1e9, nbytes / t_copy / 1e9, nbytes / t_4k / 1e9,
+            nbytes / t_tcp / 1e9, t_copy / t_e2e, t_copy / t_inner, t_4k / t_e2e)
 
 
-async def bench(shapes: list[str], repeat: int, stat: Callable[[list[float]], float]) -> list[tuple[object, ...]]:
+async def bench(shapes: list[str], repeat: int, stat: Callable[[list[float]], float],
+                warm: bool) -> list[tuple[object, ...]]:
     parent, child = mp.Pipe()
     target = mp.get_context("spawn").Process(target=target_main, args=(shapes, child), daemon=True)
     target.start()
@@ -135,7 +198,7 @@ async def bench(shapes: list[str], repeat: int, stat: Callable[[list[float]], fl
                 if count > layout.num_blocks:
                     continue
                 ids = list(range(count))
-                rows.append(await measure(agent, remote, ids, sock, index, repeat, stat))
+                rows.append(await measure(agent, remote, ids, sock, index, repeat, stat, warm))
             await agent.stop()
         sock.close()
     finally:
@@ -200,19 +263,21 @@ def measure_idle(seconds: float) -> None:
 
 
 def print_table(rows: list[tuple[object, ...]]) -> None:
-    head = ("shape", "KiB/blk", "blocks", "descs", "MiB", "nixl ms", "nixl GB/s", "in-thread", "memcpy GB/s",
-            "tcp GB/s", "nixl/memcpy")
-    print(" | ".join(f"{h:>12}" for h in head))
-    print("-" * (15 * len(head)))
+    head = ("shape", "KiB/blk", "blocks", "descs", "MiB", "nixl ms", "nixl GB/s", "in-thread", "+verify",
+            "memcpy GB/s", "memcpy 4K", "tcp GB/s", "nixl/memcpy", "in-thr/memcpy", "nixl/4K")
+    print("| " + " | ".join(head) + " |")  # markdown, as docs/pd.md shows it
+    print("|" + "---|" * len(head))
     for row in rows:
-        cells = [f"{c:>12}" if isinstance(c, (str, int)) else f"{c:>12.3f}" for c in row]
-        print(" | ".join(cells))
+        cells = [str(c) if isinstance(c, (str, int)) else f"{c:.3f}" for c in row]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--shapes", default="tiny,llama-3.2-1b,llama-3.1-8b")
+    parser.add_argument("--warm", action="store_true",
+                        help="time each sample right after an untimed one of its kind (bytes in cache)")
     parser.add_argument("--idle", action="store_true", help="measure idle pods' CPU instead")
     parser.add_argument("--seconds", type=float, default=10.0, help="idle measurement window")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
@@ -226,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in shapes if s not in MODEL_SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; have {sorted(MODEL_SHAPES)}")
-    print_table(asyncio.run(bench(shapes, args.repeat, min if args.stat == "min" else statistics.median)))
+    load_before = os.getloadavg()
+    rows = asyncio.run(bench(shapes, args.repeat, min if args.stat == "min" else statistics.median, args.warm))
+    print_table(rows)
+    print(f"{args.stat} of {args.repeat}, {'warm' if args.warm else 'cold'} caches; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, "
+          f"on {os.cpu_count()} CPUs")
     return 0
 
 

@@ -46,6 +46,7 @@ from kvflow.sim.nixl_agent import (
     ProgressConfig,
     ReadResult,
     TransferFailed,
+    Verify,
 )
 from kvflow.sim.nixl_layout import (
     KVLayout,
@@ -68,7 +69,6 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_BUSY_S = 10.0
 """How long a pod progresses promptly after answering a handshake (its peer is connecting)."""
-VERIFY_IN_THREAD_BYTES = 1 << 20
 EXPIRED_MEMORY = 4096
 NOTIF_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 REQUIRED_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
@@ -296,27 +296,27 @@ class NixlTransfer:
             return self._fallback("bad_params", str(exc), loop.time() - start)
         try:
             peer = await self._peer(plan)
-            result = await self._read(plan, peer)
+            result = await self._read(plan, peer, self._verifier(plan, token_ids))
         except HandshakeError as exc:
             return self._fallback("prefill_unreachable", str(exc), loop.time() - start)
         except TransferFailed as exc:
             self.metrics.failed_transfers.inc()
             reason = "transfer_timeout" if exc.reason == "timeout" else "transfer_error"
             return self._fallback(reason, str(exc), loop.time() - start)
-        if self.options.verify and not await self._verify(plan, token_ids, result.nbytes):
+        if not self._verified(plan, result):
             await self._forget(plan.engine_id, peer)  # expired blocks, or a peer that is not what it was
             return self._fallback("content_mismatch", "pulled blocks differ from prefill's", loop.time() - start)
         self._observe(result)
         self._notify(peer, plan.remote_request_id)
         return PullResult(True, loop.time() - start, result.nbytes, "")
 
-    async def _read(self, plan: PullPlan, peer: _Peer) -> ReadResult:
+    async def _read(self, plan: PullPlan, peer: _Peer, verify: Verify | None) -> ReadResult:
         agent = self._running_agent()
         if not plan.local_ids:
             return ReadResult(0.0, 0.0, 0, 0)  # everything hit the local prefix cache
         try:
             return await agent.read(peer.agent_name, plan.local_ids, plan.remote_ids,
-                                    timeout=self.options.transfer_timeout)
+                                    timeout=self.options.transfer_timeout, verify=verify)
         except TransferFailed as exc:
             if exc.reason == "timeout":
                 raise
@@ -324,7 +324,7 @@ class NixlTransfer:
             if fresh is None:
                 raise
             return await agent.read(fresh.agent_name, plan.local_ids, plan.remote_ids,
-                                    timeout=self.options.transfer_timeout)
+                                    timeout=self.options.transfer_timeout, verify=verify)
 
     async def _replace_stale(self, plan: PullPlan, peer: _Peer) -> _Peer | None:
         """Drop a peer whose READ failed; re-handshake; the new peer if it is a new agent."""
@@ -374,15 +374,21 @@ class NixlTransfer:
         self._peers[plan.engine_id] = peer
         return peer
 
-    async def _verify(self, plan: PullPlan, token_ids: list[int], nbytes: int) -> bool:
+    def _verifier(self, plan: PullPlan, token_ids: list[int]) -> Verify | None:
+        """What the NIXL thread runs on the landed blocks: compare them with the prompt's stamps."""
+        if not self.options.verify:
+            return None
         agent = self._running_agent()
-        bs = agent.layout.block_size
-        digests = block_digests(token_ids, bs)[plan.first_block:plan.first_block + len(plan.local_ids)]
-        check = partial(mismatched_blocks, agent.regions, plan.local_ids, digests)
-        bad = await asyncio.to_thread(check) if nbytes >= VERIFY_IN_THREAD_BYTES else check()
-        self.metrics.blocks_verified.inc(len(plan.local_ids) - len(bad))
-        self.metrics.blocks_mismatched.inc(len(bad))
-        return not bad
+        count = plan.first_block + len(plan.local_ids)
+        digests = block_digests(token_ids, agent.layout.block_size, count)[plan.first_block:]  # computed here, once
+        return partial(mismatched_blocks, agent.regions, plan.local_ids, digests)
+
+    def _verified(self, plan: PullPlan, result: ReadResult) -> bool:
+        if result.mismatched is None:  # not verified (disabled, or nothing was read)
+            return True
+        self.metrics.blocks_verified.inc(len(plan.local_ids) - len(result.mismatched))
+        self.metrics.blocks_mismatched.inc(len(result.mismatched))
+        return not result.mismatched
 
     def _notify(self, peer: _Peer, remote_request_id: str) -> None:
         """Tell the prefill pod its blocks are free, in the background (best effort)."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvflow.sim import nixl_layout
 from kvflow.sim.nixl_layout import (
     KVLayout,
     as_regions,
     block_digests,
+    block_runs,
     descriptor_ids,
     descriptors,
     mismatched_blocks,
@@ -43,7 +45,26 @@ def test_descriptors_are_region_major_rows_of_addr_len_device() -> None:
 
 
 def test_descriptor_ids_pick_a_block_in_every_region_like_vllm() -> None:
-    assert descriptor_ids(num_regions=3, num_blocks=10, block_ids=[4, 7]).tolist() == [4, 7, 14, 17, 24, 27]
+    ids = descriptor_ids(num_regions=3, num_blocks=10, block_ids=[4, 7])
+    assert (ids.dtype, ids.tolist()) == (np.int32, [4, 7, 14, 17, 24, 27])
+
+
+def test_descriptor_ids_refuse_to_overflow_nixls_int32_indices() -> None:
+    with pytest.raises(ValueError, match="overflow"):
+        descriptor_ids(num_regions=64, num_blocks=1 << 26, block_ids=[0])
+
+
+@pytest.mark.parametrize(
+    ("ids", "max_len", "runs"),
+    [
+        pytest.param([3, 4, 5, 9, 10, 2], 8, [(0, 3), (3, 5), (5, 6)], id="breaks-where-ids-jump"),
+        pytest.param([0, 1, 2, 3, 4], 2, [(0, 2), (2, 4), (4, 5)], id="long-runs-split"),
+        pytest.param([5, 4], 8, [(0, 1), (1, 2)], id="descending-is-not-a-run"),
+        pytest.param([7], 1, [(0, 1)], id="one-block"),
+    ],
+)
+def test_block_runs(ids: list[int], max_len: int, runs: list[tuple[int, int]]) -> None:
+    assert block_runs(np.asarray(ids), max_len) == runs
 
 
 def test_digests_depend_on_the_whole_prefix_and_cover_a_partial_last_block() -> None:
@@ -63,6 +84,37 @@ def test_written_blocks_verify_and_a_changed_region_is_caught() -> None:
     assert mismatched_blocks(regions, [2, 5], digests) == [2, 5]  # swapped blocks
     regions[3, 2, 0, 0] ^= 1  # one word of the last region of block 2
     assert mismatched_blocks(regions, [5, 2], digests) == [2]
+
+
+@pytest.mark.parametrize(
+    ("region", "group", "word"),
+    [
+        pytest.param(0, 0, 0, id="first-word"),
+        pytest.param(1, 17, 2, id="mid-block"),
+        pytest.param(3, -1, 3, id="last-word"),
+    ],
+)
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 5 * 8192], ids=["one-chunk", "chunks-of-5-blocks"])
+def test_every_word_of_a_run_of_blocks_is_checked(region: int, group: int, word: int, chunk_bytes: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nixl_layout, "VERIFY_CHUNK_BYTES", chunk_bytes)
+    layout = KVLayout(num_blocks=40)
+    regions = as_regions(np.zeros(layout.total_bytes, np.uint8), layout)
+    ids = [*range(3, 37), 1]  # a long run of 8 KiB blocks, and a stray
+    digests = block_digests(list(range(16 * len(ids))), 16)
+    write_blocks(regions, ids, digests)
+    assert mismatched_blocks(regions, ids, digests) == []
+    for block in (3, 20, 36, 1):
+        regions[region, block, group, word] ^= 1 << 63
+    assert mismatched_blocks(regions, ids, digests) == [3, 20, 36, 1]
+
+
+def test_verification_wants_a_digest_per_block() -> None:
+    layout = KVLayout(num_blocks=4)
+    regions = as_regions(np.zeros(layout.total_bytes, np.uint8), layout)
+    with pytest.raises(ValueError, match="2 blocks for 1 digests"):
+        mismatched_blocks(regions, [0, 1], block_digests(list(range(16)), 16))
+    assert mismatched_blocks(regions, [], []) == []
 
 
 def test_every_region_of_a_block_holds_a_different_stamp() -> None:

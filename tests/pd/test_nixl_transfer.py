@@ -179,3 +179,36 @@ async def test_an_export_with_fewer_blocks_than_the_prompt_is_caught_by_the_pull
     result = await decode.pull(params, [7, 8, 9], TOKENS)
 
     assert result.reason == "bad_params: 3 local and 2 remote blocks for a 3-block prompt"
+
+
+async def test_a_read_is_verified_on_the_nixl_thread_and_its_errors_reach_the_caller(nixl_pods: Any) -> None:
+    import threading
+
+    prefill, _ = await nixl_pods("prefill-a")
+    decode, _ = await nixl_pods("decode-a")
+    params = pd_params(prefill, "req-1", [3, 4], TOKENS[:32])
+    assert (await decode.pull(params, [7, 8], TOKENS[:32])).ok  # handshake done, peer cached
+    agent, peer = decode.agent, decode._peers["prefill-a"]
+    threads: list[str] = []
+
+    def verify() -> list[int]:
+        threads.append(threading.current_thread().name)
+        return [8]
+
+    result = await agent.read(peer.agent_name, [7, 8], [3, 4], verify=verify)
+    assert (result.mismatched, threads) == ((8,), [f"nixl-{agent.name}"])
+    assert (await agent.read(peer.agent_name, [7], [3])).mismatched is None  # not asked to verify
+
+    def broken() -> list[int]:
+        raise ZeroDivisionError("verify failed")
+
+    with pytest.raises(ZeroDivisionError):
+        await agent.read(peer.agent_name, [7], [3], verify=broken)
+    assert (await agent.read(peer.agent_name, [7], [3], verify=list)).mismatched == ()  # thread lives on
+
+
+async def test_the_kv_buffer_starts_zeroed_and_page_aligned(nixl_pods: Any) -> None:
+    decode, _ = await nixl_pods("decode-a")
+    buffer = decode.agent.buffer
+    assert buffer.nbytes == decode.agent.layout.total_bytes and not buffer.any()
+    assert buffer.flags.writeable and buffer.ctypes.data % 4096 == 0
