@@ -29,6 +29,7 @@ from kvflow.router.loadtest import Outcome, Workload, run
 from kvflow.endpoints import Endpoint
 
 PROFILES = ("round-robin", "least-load", "prefix-approx", "prefix-precise", "default")
+NO_PREFIX = frozenset({"round-robin", "least-load"})
 SCENARIOS = {"roomy": (420, 1), "tight": (260, 1), "tight-ha": (260, 2)}  # KV blocks per pod, routers
 
 
@@ -99,8 +100,10 @@ def table(scenario: str, num_blocks: int, replicas: int, outcomes: list[Outcome]
     ]
     for o in outcomes:
         ratio = f"{o.hit_rate / rr:.1f}x" if rr else "-"
+        # Profiles without a prefix scorer do not hash prompts, so the router believes nothing.
+        believed = f"{o.router_hit_rate:>7.1%}" if o.profile not in NO_PREFIX else f"{'-':>7}"
         lines.append(
-            f"{o.profile:<15} {o.hit_rate:>8.1%} {ratio:>6} {o.router_hit_rate:>7.1%} {o.imbalance:>6.2f} "
+            f"{o.profile:<15} {o.hit_rate:>8.1%} {ratio:>6} {believed} {o.imbalance:>6.2f} "
             f"{'/'.join(map(str, o.requests_per_pod)):<18} {o.seconds:>5.1f} {o.errors:>3}"
         )
     return "\n".join(lines)

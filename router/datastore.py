@@ -2,16 +2,18 @@
 
 Writers are the async collectors (metrics scraper, Kubernetes watch) and the router's own
 accounting (requests started/finished, endpoints the gateway saw fail). All run on one event
-loop, so plain attributes suffice; the snapshot is rebuilt only when something changed.
+loop, so plain attributes suffice. A pod's view is rebuilt only when what was scraped about it
+changed (metrics, health), and the snapshot tuple only when a view did; requests starting and
+finishing just bump the pod's ``LoadCounter``, which its view reads live.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from kvflow.router.model import EndpointView, EngineMetrics
-from kvflow.endpoints import Endpoint, EndpointId
+from kvflow.router.model import EndpointView, EngineMetrics, LoadCounter
+from kvflow.endpoints import Endpoint, EndpointId, Role
 
 
 @dataclass(slots=True)
@@ -22,13 +24,19 @@ class _State:
     """Optimistic until the first failure: an unscraped pool still routes."""
     marked_failed: bool = False
     last_ok: float | None = None
-    in_flight: int = 0
-    dispatched: int = 0
+    counter: LoadCounter = field(default_factory=LoadCounter)
+    view: EndpointView | None = None
+    """The pod's view, built when first read after a change."""
 
-    def view(self) -> EndpointView:
-        return EndpointView(
-            self.endpoint, self.metrics, self.scrape_ok and not self.marked_failed, self.in_flight, self.dispatched
-        )
+    def changed(self) -> None:
+        self.view = None
+
+    def current(self) -> EndpointView:
+        if self.view is None:
+            self.view = EndpointView(
+                self.endpoint, self.metrics, self.scrape_ok and not self.marked_failed, counter=self.counter
+            )
+        return self.view
 
 
 Listener = Callable[[Endpoint, bool], None]
@@ -39,6 +47,7 @@ class Datastore:
     def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
         self._states: dict[EndpointId, _State] = {}
         self._snapshot: tuple[EndpointView, ...] | None = None
+        self._by_role: tuple[list[EndpointView], list[EndpointView]] | None = None
         self._listeners: list[Listener] = []
         self.set_endpoints(endpoints)
 
@@ -67,7 +76,12 @@ class Datastore:
                 self._notify(ep, True)
             elif state.endpoint != ep:
                 state.endpoint = ep  # role or models changed: same pod, same cache
+                state.changed()
+        self._invalidate()
+
+    def _invalidate(self) -> None:
         self._snapshot = None
+        self._by_role = None
 
     def _notify(self, endpoint: Endpoint, added: bool) -> None:
         for listener in self._listeners:
@@ -79,58 +93,75 @@ class Datastore:
         state = self._states.get(endpoint_id)
         if state is None:
             return
+        state.last_ok = now
+        state.counter.dispatched = 0  # the metrics now include what was sent before
+        if state.metrics == metrics and state.scrape_ok and not state.marked_failed:
+            return  # nothing the scorers read changed: keep the view (and the snapshot)
         state.metrics = metrics
         state.scrape_ok = True
         state.marked_failed = False
-        state.last_ok = now
-        state.dispatched = 0  # the metrics now include what was sent before
-        self._snapshot = None
+        state.changed()
+        self._invalidate()
 
     def record_failure(self, endpoint_id: EndpointId) -> None:
         state = self._states.get(endpoint_id)
         if state is not None and state.scrape_ok:
             state.scrape_ok = False
-            self._snapshot = None
+            state.changed()
+            self._invalidate()
 
     def expire(self, now: float, stale_after: float) -> None:
         """Endpoints not scraped successfully for ``stale_after`` seconds drop out."""
         for state in self._states.values():
             if state.scrape_ok and state.last_ok is not None and now - state.last_ok > stale_after:
                 state.scrape_ok = False
-                self._snapshot = None
+                state.changed()
+                self._invalidate()
 
     def mark_failed(self, endpoint_id: EndpointId) -> None:
         state = self._states.get(endpoint_id)
         if state is not None and not state.marked_failed:
             state.marked_failed = True
-            self._snapshot = None
+            state.changed()
+            self._invalidate()
 
     # -- request accounting ----------------------------------------------------------------
 
     def started(self, endpoint_id: EndpointId) -> None:
         state = self._states.get(endpoint_id)
         if state is not None:
-            state.in_flight += 1
-            state.dispatched += 1
-            self._snapshot = None
+            counter = state.counter
+            counter.in_flight += 1
+            counter.dispatched += 1
 
     def finished(self, endpoint_id: EndpointId) -> None:
         state = self._states.get(endpoint_id)
-        if state is not None and state.in_flight > 0:
-            state.in_flight -= 1
-            state.dispatched = max(0, state.dispatched - 1)
-            self._snapshot = None
+        if state is not None and state.counter.in_flight > 0:
+            counter = state.counter
+            counter.in_flight -= 1
+            if counter.dispatched > 0:
+                counter.dispatched -= 1
 
     # -- readers ---------------------------------------------------------------------------
 
     def snapshot(self) -> tuple[EndpointView, ...]:
         if self._snapshot is None:
-            self._snapshot = tuple(s.view() for s in self._states.values())
+            self._snapshot = tuple(s.current() for s in self._states.values())
         return self._snapshot
+
+    def by_role(self) -> tuple[list[EndpointView], list[EndpointView]]:
+        """The snapshot split into (pods that can decode, prefill-only pods), kept with it."""
+        if self._by_role is None:
+            snapshot = self.snapshot()
+            self._by_role = (
+                [v for v in snapshot if v.endpoint.role is not Role.PREFILL],
+                [v for v in snapshot if v.endpoint.role is Role.PREFILL],
+            )
+        return self._by_role
 
     def view(self, endpoint_id: EndpointId) -> EndpointView | None:
         state = self._states.get(endpoint_id)
-        return state.view() if state else None
+        return state.current() if state else None
 
 
 def with_metrics(views: Sequence[EndpointView], **changes: object) -> tuple[EndpointView, ...]:

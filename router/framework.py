@@ -8,7 +8,10 @@ it); a profile's total is the weighted sum; the picker orders the endpoints. A p
 (``pd.py``) decides which profiles run for a request — one, or decode then prefill.
 
 A cycle is synchronous and reads only its ``Cycle`` (the request, its lazily computed block
-hashes, a seeded RNG) and a frozen snapshot of endpoints, so it is deterministic.
+hashes, a seeded RNG) and a frozen snapshot of endpoints, so it is deterministic. Both are
+paid for only when used: the RNG is seeded on a picker's first draw (seeding a Mersenne
+Twister costs more than a round-robin decision), and hashes are computed only by plugins that
+declare ``reads_prefixes`` (and by the P/D decider).
 """
 
 from __future__ import annotations
@@ -30,10 +33,18 @@ class Cycle:
 
     request: SchedulingRequest
     hashes: RequestHashes
-    rng: random.Random
+    seed: int | random.Random
+    """The tie-break seed; replaced by its generator on the first ``rng`` read."""
     block_size: int
     data: dict[str, Any] = field(default_factory=dict)
     """Scratch space plugins share, e.g. prefix matches (``prefix:<kind>``) for the P/D decider."""
+
+    @property
+    def rng(self) -> random.Random:
+        """The cycle's generator: the same seed gives the same draws, whichever picker asks."""
+        if not isinstance(self.seed, random.Random):
+            self.seed = random.Random(self.seed)
+        return self.seed
 
     @property
     def prompt_tokens(self) -> int:
@@ -79,12 +90,24 @@ class ProfileRun:
     """Endpoints left after each filter."""
 
 
+def reads_prefixes(plugin: object) -> bool:
+    """Whether a plugin reads the request's block hashes (prefix-cache scorers say so)."""
+    return bool(getattr(plugin, "reads_prefixes", False))
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
     filters: tuple[Filter, ...]
     scorers: tuple[tuple[Scorer, float], ...]
     picker: Picker
+    reads_prefixes: bool = field(init=False)
+    """A plugin reads block hashes: the router hashes the prompt and teaches the prefix
+    indexes what it routed only for such profiles (and for P/D decisions)."""
+
+    def __post_init__(self) -> None:
+        plugins = (*self.filters, *(s for s, _ in self.scorers), self.picker)
+        object.__setattr__(self, "reads_prefixes", any(reads_prefixes(p) for p in plugins))
 
     def run(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> ProfileRun:
         candidates = endpoints
@@ -99,13 +122,19 @@ class Profile:
         by_scorer: dict[str, dict[EndpointId, float]] = {}
         for scorer, weight in self.scorers:
             got = scorer.score(cycle, candidates)
-            if len(got) == len(ids) and got and 0.0 <= min(got.values()) and max(got.values()) <= 1.0:
+            if (
+                got
+                and len(got) == len(totals)
+                and got.keys() == totals.keys()
+                and 0.0 <= min(got.values())
+                and max(got.values()) <= 1.0
+            ):
                 clamped = dict(got)  # the common case: a well-behaved scorer, nothing to clamp
             else:
-                clamped = {eid: _clamp(got.get(eid, 0.0)) for eid in ids}
+                clamped = {eid: _clamp(got.get(eid, 0.0)) for eid in totals}
             by_scorer[scorer.name] = clamped
-            for eid, s in clamped.items():
-                totals[eid] += weight * s
+            # Each total is summed in scorer order, as it always was: the same floats.
+            totals = {eid: t + weight * clamped[eid] for eid, t in totals.items()}
         scores = _PerEndpoint(by_scorer, ids)
         ordered = self.picker.pick(cycle, [(ep, totals[ep.id]) for ep in candidates])
         return ProfileRun(self.name, tuple(ordered), totals, scores, filtered)

@@ -19,7 +19,7 @@ indexes key on plain ints.
 
 from __future__ import annotations
 
-import array
+import struct
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
@@ -72,7 +72,9 @@ class BlockHashCache:
         if isinstance(token_ids, np.ndarray):
             tokens = token_ids.astype(np.uint64, copy=False)
         else:
-            tokens = np.frombuffer(array.array("q", token_ids[: n * self.block_size]), dtype=np.uint64)
+            # struct packs a list of ints ~3x faster than array.array or np.array convert it
+            count = n * self.block_size
+            tokens = np.frombuffer(struct.pack(f"{count}q", *token_ids[:count]), dtype=np.uint64)
         blocks = (tokens[: n * self.block_size].reshape(n, self.block_size) * self._token_mix).sum(
             axis=1, dtype=np.uint64
         )
@@ -84,12 +86,6 @@ class BlockHashCache:
         blocks ^= blocks >> np.uint64(31)
         return np.bitwise_xor.accumulate(blocks * self._position_mix[:n]).tolist()  # type: ignore[no-any-return]
 
-    def _lookup(self, key: Any) -> tuple[BlockHash, int] | None:
-        found = self._memo.get(key)
-        if found is not None:
-            self.hits += 1
-        return found
-
     def _store(
         self, key: Any, parent: BlockHash, block: Sequence[int], extra: tuple[Any, ...] | None
     ) -> tuple[BlockHash, int]:
@@ -98,7 +94,7 @@ class BlockHashCache:
             # Dropping everything is cheaper than LRU bookkeeping on every hit, and a shared
             # prompt is back in the memo after one request.
             self._memo.clear()
-        full = hash_block_tokens(self._fn, parent, tuple(block), extra)
+        full = hash_block_tokens(self._fn, parent, block, extra)
         value = (full, int(to_external(full)))
         self._memo[key] = value
         return value
@@ -132,16 +128,42 @@ class RequestHashes:
         hashes = self._hashes
         if i < len(hashes):
             return hashes[i]
-        while len(hashes) <= i:
+        if i == len(hashes):
             self._extend()
+        else:
+            if i >= self.num_blocks:
+                raise IndexError("block index past the last full block")
+            self._hash_until(i + 1)
         return hashes[i]
 
     def __iter__(self) -> Iterator[int]:
         """The chain, lazily: memoised hashes in one tight loop, the rest SHA-hashed on demand."""
-        self._take_memoised()
-        yield from self._hashes
-        for i in range(len(self._hashes), self.num_blocks):
-            yield self.get(i)
+        self._take_memoised()  # block 0 with keys of its own is hashed there, if at all
+        hashes = self._hashes
+        yield from hashes
+        i, n = len(hashes), self.num_blocks
+        if i >= n:
+            return
+        # A cold prompt's walk hashes block after block: the per-block work is inlined.
+        cache, fps, extra, tokens = self._cache, self._fps, self._extra, self._tokens
+        assert fps is not None  # _take_memoised computed them
+        memo, fn, bs = cache._memo, cache._fn, cache.block_size
+        while i < n:
+            if i == len(hashes):  # else another reader hashed further meanwhile
+                key = fps[i] if extra is None else (fps[i], extra)
+                found = memo.get(key)
+                if found is None:
+                    if len(memo) >= cache.capacity:
+                        memo.clear()  # as in BlockHashCache._store
+                    full = hash_block_tokens(fn, self._parent, tokens[i * bs : (i + 1) * bs], extra)
+                    found = memo[key] = (full, int.from_bytes(full[-8:], "big"))
+                    cache.misses += 1
+                else:
+                    cache.hits += 1
+                self._parent = found[0]
+                hashes.append(found[1])
+            yield hashes[i]
+            i += 1
 
     def _take_memoised(self) -> None:
         hashes = self._hashes
@@ -165,22 +187,59 @@ class RequestHashes:
         self._parent = parent
 
     def all(self) -> list[int]:
-        if self.num_blocks:
-            self.get(self.num_blocks - 1)
+        self._hash_until(self.num_blocks)
         return self._hashes
 
+    def _hash_until(self, stop: int) -> None:
+        """Blocks up to ``stop`` in one loop: a memo hit, else hashed (and memoised) vLLM's way.
+
+        ``all()`` (the prefix indexes learning a routed request) walks every block, so the
+        per-block work is inlined here rather than a call chain per block.
+        """
+        hashes = self._hashes
+        if len(hashes) >= stop:
+            return
+        if not hashes and self._first != self._extra:
+            self._extend()  # block 0 has keys of its own (cache salt)
+        cache = self._cache
+        if self._fps is None:
+            self._fps = cache.fingerprints(self._tokens)
+        fps, memo, extra, tokens, bs = self._fps, cache._memo, self._extra, self._tokens, cache.block_size
+        fn, capacity, parent, append = cache._fn, cache.capacity, self._parent, hashes.append
+        start = len(hashes)
+        misses = 0
+        for i in range(start, stop):
+            key = fps[i] if extra is None else (fps[i], extra)
+            found = memo.get(key)
+            if found is None:
+                if len(memo) >= capacity:
+                    memo.clear()  # as in BlockHashCache._store
+                full = hash_block_tokens(fn, parent, tokens[i * bs : (i + 1) * bs], extra)
+                found = memo[key] = (full, int.from_bytes(full[-8:], "big"))
+                misses += 1
+            parent = found[0]
+            append(found[1])
+        self._parent = parent
+        cache.misses += misses
+        cache.hits += stop - start - misses
+
     def _extend(self) -> None:
-        i = len(self._hashes)
+        """Hash one more block (the prefix walk asks block by block, and may stop at any)."""
+        hashes = self._hashes
+        i = len(hashes)
         if i >= self.num_blocks:
             raise IndexError("block index past the last full block")
-        if self._fps is None:
-            self._fps = self._cache.fingerprints(self._tokens)
-        fp = self._fps[i]
+        cache = self._cache
+        fps = self._fps
+        if fps is None:
+            fps = self._fps = cache.fingerprints(self._tokens)
         extra = self._first if i == 0 else self._extra
-        key = fp if extra is None else (fp, extra)
-        found = self._cache._lookup(key)
+        key = fps[i] if extra is None else (fps[i], extra)
+        found = cache._memo.get(key)
         if found is None:
-            bs = self._cache.block_size
-            found = self._cache._store(key, self._parent, self._tokens[i * bs : (i + 1) * bs], extra)
-        self._parent, external = found
-        self._hashes.append(external)
+            bs = cache.block_size
+            found = cache._store(key, self._parent, self._tokens[i * bs : (i + 1) * bs], extra)
+        else:
+            cache.hits += 1
+        self._parent = found[0]
+        hashes.append(found[1])

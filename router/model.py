@@ -3,6 +3,9 @@
 Everything here is a frozen, slotted dataclass: a scheduling cycle reads one immutable
 snapshot of the pool (``EndpointView`` per pod), so the same snapshot and seed always give the
 same decision, and the async collectors (scraper, KV-event subscribers) never race with it.
+The one mutable part is each pod's ``LoadCounter`` (the router's own in-flight count), which
+its view reads live: cycles are synchronous, so none sees a counter change mid-decision, and
+starting or finishing a request does not rebuild the snapshot.
 """
 
 from __future__ import annotations
@@ -58,28 +61,67 @@ class EngineMetrics:
     models: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
-class EndpointView:
-    """One pod as a scheduling cycle sees it."""
+@dataclass(slots=True)
+class LoadCounter:
+    """The router's own, live count of what it sent to one pod (mutable, unlike the rest)."""
 
-    endpoint: Endpoint
-    metrics: EngineMetrics = field(default_factory=EngineMetrics)
-    healthy: bool = True
     in_flight: int = 0
     """Requests the router sent there that have not finished."""
-    dispatched_since_scrape: int = 0
+    dispatched: int = 0
     """Requests sent there since the metrics were scraped: load the metrics cannot show yet."""
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class EndpointView:
+    """One pod as a scheduling cycle sees it.
+
+    The scraped part (endpoint, metrics, health) is frozen; ``counter`` is the datastore's live
+    counter for the pod, so starting or finishing a request does not rebuild the snapshot.
+    A cycle is synchronous, so nothing changes a counter while one reads it.
+    """
+
+    endpoint: Endpoint
+    metrics: EngineMetrics
+    healthy: bool
+    counter: LoadCounter
     id: EndpointId = field(init=False)
     """``endpoint.id``, computed once: scorers read it for every endpoint of every decision."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "id", self.endpoint.id)
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        metrics: EngineMetrics | None = None,
+        healthy: bool = True,
+        in_flight: int = 0,
+        dispatched_since_scrape: int = 0,
+        *,
+        counter: LoadCounter | None = None,
+    ) -> None:
+        setattr_ = object.__setattr__
+        setattr_(self, "endpoint", endpoint)
+        setattr_(self, "metrics", metrics if metrics is not None else _NO_METRICS)
+        setattr_(self, "healthy", healthy)
+        setattr_(self, "counter", counter if counter is not None else LoadCounter(in_flight, dispatched_since_scrape))
+        setattr_(self, "id", endpoint.id)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the router sent there that have not finished."""
+        return self.counter.in_flight
+
+    @property
+    def dispatched_since_scrape(self) -> int:
+        """Requests sent there since the metrics were scraped: load the metrics cannot show yet."""
+        return self.counter.dispatched
 
     @property
     def queue(self) -> int:
         """Waiting requests, including what the router sent since the last scrape."""
-        return self.metrics.waiting + self.dispatched_since_scrape
+        return self.metrics.waiting + self.counter.dispatched
 
     @property
     def load(self) -> int:
         return self.metrics.running + self.queue
+
+
+_NO_METRICS = EngineMetrics()

@@ -62,18 +62,33 @@ class RouterMetrics:
         self._prompt = 0
         self._cached = 0
         self._last: Decision | None = None
+        # Labelled children, looked up once: ``labels()`` costs more than the increment.
+        self._prompt_child = self.prompt_tokens.labels(pool)
+        self._cached_child = self.cached_tokens.labels(pool)
+        self._ratio_child = self.hit_ratio.labels(pool)
+        self._decision_children: dict[tuple[str, str], Any] = {}
+        self._latency_children: dict[str, Any] = {}
+
+    def _count(self, profile: str, result: str, seconds: float) -> None:
+        child = self._decision_children.get((profile, result))
+        if child is None:
+            child = self._decision_children[profile, result] = self.decisions.labels(self.pool, profile, result)
+        child.inc()
+        latency = self._latency_children.get(profile)
+        if latency is None:
+            latency = self._latency_children[profile] = self.latency.labels(self.pool, profile)
+        latency.observe(seconds)
 
     def decided(self, decision: Decision, seconds: float, prompt_tokens: int) -> None:
         res = decision.result
-        kind = "disaggregated" if res.prefill is not None else "aggregated"
-        self.decisions.labels(self.pool, res.profile, kind).inc()
-        self.latency.labels(self.pool, res.profile).observe(seconds)
-        self.prompt_tokens.labels(self.pool).inc(prompt_tokens)
-        self.cached_tokens.labels(self.pool).inc(res.cached_tokens)
+        self._count(res.profile, "disaggregated" if res.prefill is not None else "aggregated", seconds)
+        self._prompt_child.inc(prompt_tokens)
         self._prompt += prompt_tokens
-        self._cached += res.cached_tokens
+        if res.cached_tokens:
+            self._cached_child.inc(res.cached_tokens)
+            self._cached += res.cached_tokens
         if self._prompt:
-            self.hit_ratio.labels(self.pool).set(self._cached / self._prompt)
+            self._ratio_child.set(self._cached / self._prompt)
         # Per-endpoint gauges are set when /metrics is read: hundreds of label lookups per
         # decision would cost more than the decision itself.
         self._last = decision
@@ -88,8 +103,7 @@ class RouterMetrics:
                     self.scores.labels(self.pool, eid, scorer).set(s)
 
     def failed(self, profile: str, result: str, seconds: float) -> None:
-        self.decisions.labels(self.pool, profile, result).inc()
-        self.latency.labels(self.pool, profile).observe(seconds)
+        self._count(profile, result, seconds)
 
 
 class DecisionLog:

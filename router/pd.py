@@ -4,6 +4,11 @@ Like llm-d's pd-profile-handler: the decode pod is chosen first, among pods that
 if the prompt tokens it does not have cached exceed the threshold and prefill pods exist, a
 second profile picks the prefill pod. A prefill pool that cannot take the request leaves the
 request aggregated rather than failing it.
+
+The decider needs the prompt's cached blocks on the decode pick only when it could
+disaggregate (prefill pods exist) or when the profile matched prefixes anyway; otherwise
+(round-robin, least-load without prefill pods) the prompt is never hashed and
+``cached_tokens`` is 0.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ from kvflow.router.framework import Cycle, Profile, ProfileRun
 from kvflow.router.model import EndpointView, SchedulingResult
 from kvflow.router.plugins.prefix_cache import prefix_matches
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
-from kvflow.endpoints import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,8 @@ class PdPolicy:
 class Decision:
     result: SchedulingResult
     runs: tuple[ProfileRun, ...]
+    reads_prefixes: bool = True
+    """The decision read the prompt's block hashes: the router should learn its prefix."""
 
 
 def cached_blocks(cycle: Cycle, endpoint: EndpointView, approx: ApproxPrefixIndex, precise: PrefixIndex) -> int:
@@ -45,28 +51,32 @@ def cached_blocks(cycle: Cycle, endpoint: EndpointView, approx: ApproxPrefixInde
 
 def decide(
     cycle: Cycle,
-    snapshot: Sequence[EndpointView],
+    decoders: Sequence[EndpointView],
+    prefillers: Sequence[EndpointView],
     profile: Profile,
     prefill_profile: Profile,
     policy: PdPolicy,
     approx: ApproxPrefixIndex,
     precise: PrefixIndex,
 ) -> Decision:
-    decoders = [ep for ep in snapshot if ep.endpoint.role is not Role.PREFILL]
+    """``decoders``: the pods that can decode; ``prefillers``: prefill-only pods."""
     if not decoders:
         raise NoCapacityError(f"no endpoint can serve model {cycle.request.model!r}")
     run = profile.run(cycle, decoders)
     if not run.targets:
         raise NoCapacityError(f"no endpoint can serve model {cycle.request.model!r}")
     pick = run.targets[0]
-    cached = min(cached_blocks(cycle, pick, approx, precise) * cycle.block_size, cycle.prompt_tokens)
+    may_split = policy.enabled and bool(prefillers)
+    prefixes = profile.reads_prefixes or may_split
+    cached = 0
+    if prefixes:
+        cached = min(cached_blocks(cycle, pick, approx, precise) * cycle.block_size, cycle.prompt_tokens)
     result = SchedulingResult(profile.name, tuple(v.endpoint for v in run.targets), None, cached)
-    prefillers = [ep for ep in snapshot if ep.endpoint.role is Role.PREFILL]
-    if not (policy.enabled and prefillers and cycle.prompt_tokens - cached > policy.threshold):
-        return Decision(result, (run,))
+    if not (may_split and cycle.prompt_tokens - cached > policy.threshold):
+        return Decision(result, (run,), prefixes)
     try:
         prefill_run = prefill_profile.run(cycle, prefillers)
     except (NoCapacityError, RateLimitError):
-        return Decision(result, (run,))
+        return Decision(result, (run,), prefixes)
     prefill = prefill_run.targets[0].endpoint
-    return Decision(SchedulingResult(profile.name, result.targets, prefill, cached), (run, prefill_run))
+    return Decision(SchedulingResult(profile.name, result.targets, prefill, cached), (run, prefill_run), prefixes)

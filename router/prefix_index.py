@@ -69,9 +69,14 @@ class PrefixIndex:
 
     def add(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
         mine = self._blocks.setdefault(endpoint, set())
+        holders = self.holders
         for h in hashes:
             mine.add(h)
-            self.holders.setdefault(h, set()).add(endpoint)
+            eps = holders.get(h)
+            if eps is None:
+                holders[h] = {endpoint}
+            else:
+                eps.add(endpoint)
 
     def remove(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
         mine = self._blocks.get(endpoint)
@@ -122,12 +127,17 @@ class ApproxPrefixIndex:
         Touched tail-first, as vLLM frees a request's blocks, so a prefix outlives its suffix.
         """
         lru = self._lru.setdefault(endpoint, OrderedDict())
+        holders = self.holders
         for h in reversed(list(hashes)):
             if h in lru:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
-                self.holders.setdefault(h, set()).add(endpoint)
+                eps = holders.get(h)
+                if eps is None:
+                    holders[h] = {endpoint}
+                else:
+                    eps.add(endpoint)
         self._evict(endpoint)
 
     def clear(self, endpoint: EndpointId) -> None:

@@ -7,12 +7,11 @@ Synchronous in the middle (``schedule`` over a frozen snapshot), asynchronous at
 from __future__ import annotations
 
 import asyncio
-import random
-import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from time import monotonic, perf_counter
 from typing import Any
+from zlib import crc32
 
 from kvflow.errors import KvflowError, NoCapacityError, RateLimitError
 from kvflow.hashing import block_extra_keys
@@ -80,8 +79,9 @@ class Router:
         self.datastore = Datastore(endpoints or config.endpoints)
         self.metrics = RouterMetrics(config.pool_name)
         self.log = DecisionLog()
-        # Hashes computed while scheduling, reused when the request starts (approx index update).
-        self._pending: OrderedDict[str, RequestHashes] = OrderedDict()
+        # Hashes computed while scheduling, reused when the request starts (approx index update);
+        # None for a decision that did not read prefixes (nothing to learn).
+        self._pending: OrderedDict[str, RequestHashes | None] = OrderedDict()
         self._scraper: Scraper | None = None
         self._kv: KvEventSubscriber | None = None
         self._watcher: Any = None
@@ -138,25 +138,30 @@ class Router:
         return prompt_token_ids(self.tokenizer, body)
 
     def schedule(self, request: SchedulingRequest) -> SchedulingResult:
-        started = time.perf_counter()
+        started = perf_counter()
         name = request.headers.get(PROFILE_HEADER) or self.profile
         profile = self.profiles.get(name)
         if profile is None:
             raise NoCapacityError(f"unknown scheduling profile {name!r}")
         prefill_profile = self.profiles.get(self.config.pd_prefill_profile or name, profile)
         cycle = self._cycle(request)
-        self.speculative.expire(time.monotonic())
+        self.speculative.expire(monotonic())
+        decoders, prefillers = self.datastore.by_role()
         try:
             decision = decide(
-                cycle, self.datastore.snapshot(), profile, prefill_profile, self.policy, self.approx, self.precise
+                cycle, decoders, prefillers, profile, prefill_profile, self.policy, self.approx, self.precise
             )
         except KvflowError as exc:
-            seconds = time.perf_counter() - started
+            seconds = perf_counter() - started
             kind = "shed" if isinstance(exc, RateLimitError) else "no_capacity"
             self.metrics.failed(name, kind, seconds)
             self.log.add(request, None, seconds, error=f"{kind}: {exc.message}")
             raise
-        seconds = time.perf_counter() - started
+        # Only a decision that read the prompt's prefix teaches the indexes where it went.
+        self._pending[request.request_id] = cycle.hashes if decision.reads_prefixes else None
+        if len(self._pending) > 4096:
+            self._pending.popitem(last=False)
+        seconds = perf_counter() - started
         self.metrics.decided(decision, seconds, len(request.token_ids))
         self.log.add(request, decision, seconds)
         return decision.result
@@ -165,21 +170,31 @@ class Router:
         return self.log.last(n)
 
     def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        hashes = self._pending.pop(request.request_id, None) or self._hashes(request)
-        blocks = hashes.all()
-        now = time.monotonic()
-        for ep in result.targets[:1] + ((result.prefill,) if result.prefill else ()):
+        if request.request_id in self._pending:
+            hashes = self._pending.pop(request.request_id)
+        else:  # not scheduled here, or forgotten: learn if schedule would have
+            profile = self.profiles.get(result.profile)
+            may_split = self.policy.enabled and bool(self.datastore.by_role()[1])
+            hashes = self._hashes(request) if profile is None or profile.reads_prefixes or may_split else None
+        sent = result.targets[:1] + ((result.prefill,) if result.prefill is not None else ())
+        for ep in sent:
             self.datastore.started(ep.id)
-            self.approx.add(ep.id, blocks)
-            self.speculative.add(ep.id, blocks, now)
+        if hashes is not None:
+            blocks = hashes.all()
+            now = monotonic()
+            for ep in sent:
+                self.approx.add(ep.id, blocks)
+                self.speculative.add(ep.id, blocks, now)
         for hook in self._hooks:
             hook.request_started(request, result)
 
     def request_finished(self, request: SchedulingRequest, result: SchedulingResult, *, ok: bool) -> None:
         """End the request's in-flight accounting. ``ok`` is informational: a failed pod is taken
         out by ``mark_failed`` or its next failed scrape, not by one failed request."""
-        for ep in result.targets[:1] + ((result.prefill,) if result.prefill else ()):
+        for ep in result.targets[:1]:
             self.datastore.finished(ep.id)
+        if result.prefill is not None:
+            self.datastore.finished(result.prefill.id)
 
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.datastore.mark_failed(endpoint.id)
@@ -187,19 +202,20 @@ class Router:
     # -- internals -------------------------------------------------------------------------
 
     def _hashes(self, request: SchedulingRequest) -> RequestHashes:
+        """The request's block hashes, lazily: nothing is hashed until a plugin walks them."""
+        lora = request.lora
+        if lora is None and not request.cache_salt:
+            return self.hash_cache.for_request(request.token_ids)
         # vLLM keys LoRA blocks on the adapter's name *and* path (docs/vllm-protocols.md).
-        lora = (request.lora, self.config.lora_paths.get(request.lora, request.lora)) if request.lora else None
-        every = block_extra_keys(1, lora=lora)
-        first = block_extra_keys(0, lora=lora, cache_salt=request.cache_salt)
+        adapter = (lora, self.config.lora_paths.get(lora, lora)) if lora else None
+        every = block_extra_keys(1, lora=adapter)
+        first = block_extra_keys(0, lora=adapter, cache_salt=request.cache_salt)
         return self.hash_cache.for_request(request.token_ids, every, first)
 
     def _cycle(self, request: SchedulingRequest) -> Cycle:
-        hashes = self._hashes(request)
-        self._pending[request.request_id] = hashes
-        while len(self._pending) > 4096:
-            self._pending.popitem(last=False)
-        seed = zlib.crc32(request.request_id.encode()) ^ self.config.seed
-        return Cycle(request, hashes, random.Random(seed), self.config.block_size)
+        # The tie-break generator is seeded only if a picker draws from it (Cycle.rng).
+        seed = crc32(request.request_id.encode()) ^ self.config.seed
+        return Cycle(request, self._hashes(request), seed, self.config.block_size)
 
     def _on_metrics(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         if metrics.num_blocks:

@@ -20,4 +20,4 @@ class ActiveRequestScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
-        return min_max_inverse({ep.id: float(ep.in_flight) for ep in endpoints})
+        return min_max_inverse({ep.id: float(ep.counter.in_flight) for ep in endpoints})

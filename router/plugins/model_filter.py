@@ -27,7 +27,11 @@ class ModelFilter:
         model = cycle.request.model
         lora = cycle.request.lora
         if model:
-            endpoints = [ep for ep in endpoints if not served(ep) or model in served(ep) or model == lora]
+            endpoints = [
+                ep
+                for ep in endpoints
+                if not (models := ep.endpoint.models or ep.metrics.models) or model in models or model == lora
+            ]
         if lora:
             listing = [ep for ep in endpoints if lora in served(ep)]
             return listing or endpoints

@@ -54,6 +54,8 @@ def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[Endpoi
 
 @register("prefix-cache-scorer", "scorer")
 class ApproxPrefixScorer:
+    reads_prefixes = True
+
     def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
         self.name = name
         self.ctx = ctx
@@ -73,6 +75,7 @@ class PreciseParams(NoParams):
 @register("precise-prefix-cache-scorer", "scorer")
 class PrecisePrefixScorer:
     Params = PreciseParams
+    reads_prefixes = True
 
     def __init__(self, name: str, params: PreciseParams, ctx: PluginContext) -> None:
         self.name = name

@@ -20,4 +20,4 @@ class QueueScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
-        return min_max_inverse({ep.id: float(ep.queue) for ep in endpoints})
+        return min_max_inverse({ep.id: float(ep.metrics.waiting + ep.counter.dispatched) for ep in endpoints})

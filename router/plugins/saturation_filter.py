@@ -34,7 +34,13 @@ class SaturationFilter:
         return ep.queue > self.p.queue_limit or ep.metrics.kv_usage >= self.p.kv_limit
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        kept = [ep for ep in endpoints if not self.saturated(ep)]
+        # ``saturated`` inlined: this runs for every endpoint of every decision.
+        queue_limit, kv_limit = self.p.queue_limit, self.p.kv_limit
+        kept = [
+            ep
+            for ep in endpoints
+            if not (ep.metrics.waiting + ep.counter.dispatched > queue_limit or ep.metrics.kv_usage >= kv_limit)
+        ]
         if endpoints and not kept:
             raise RateLimitError("every endpoint is saturated; retry later", retry_after=self.p.retry_after)
         return kept
