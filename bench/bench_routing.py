@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.procs import ProcessGroup, free_port, kvflow_argv
 from kvflow.router import Router, load_config
 from kvflow.router.loadtest import Outcome, Workload, run
 from kvflow.endpoints import Endpoint
@@ -31,12 +30,6 @@ from kvflow.endpoints import Endpoint
 PROFILES = ("round-robin", "least-load", "prefix-approx", "prefix-precise", "default")
 NO_PREFIX = frozenset({"round-robin", "least-load"})
 SCENARIOS = {"roomy": (420, 1), "tight": (260, 1), "tight-ha": (260, 2)}  # KV blocks per pod, routers
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def start_pods(group: ProcessGroup, n: int, num_blocks: int, first_host: int = 40) -> list[tuple[Endpoint, str]]:

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,13 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, kvflow_argv
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from kvflow.procs import ProcessGroup, free_port, kvflow_argv
 
 
 async def _client(url: str, body: bytes, deadline: float, lat: list[float], ttft: list[float],

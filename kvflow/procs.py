@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,13 @@ class StartupError(RuntimeError):
 def kvflow_argv(*args: str) -> list[str]:
     """The command line that runs ``kvflow ARGS`` with this interpreter."""
     return [sys.executable, "-m", "kvflow", *args]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the kernel's pick), for a child to listen on."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:

@@ -11,7 +11,6 @@ Every pod is stopped when the test ends, pass or fail.
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,13 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvflow.procs import Child, ProcessGroup, kvflow_argv
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from kvflow.procs import Child, ProcessGroup, free_port, kvflow_argv
 
 
 @dataclass

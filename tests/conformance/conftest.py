@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import zmq
 
-from kvflow.procs import Child, ProcessGroup, http_ok
+from kvflow.procs import Child, ProcessGroup, free_port, http_ok
 
-from .targets import KINDS, Endpoints, Target, TargetFactory, command, free_port
+from .targets import KINDS, Endpoints, Target, TargetFactory, command
 
 
 def wait_ready_polling(group: ProcessGroup, child: Child, sub: zmq.Socket, timeout: float) -> None:

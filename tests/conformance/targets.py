@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,12 +35,6 @@ KINDS = ["sim", pytest.param("vllm", marks=[pytest.mark.real_vllm, pytest.mark.t
 
 def golden(name: str) -> Any:
     return json.loads((GOLDEN / name).read_text())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_model_dir() -> Path | None:

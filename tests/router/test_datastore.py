@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.procs import ProcessGroup, free_port, kvflow_argv
 from kvflow.router import Router, load_config
 from kvflow.router.datastore import Datastore
 from kvflow.router.model import EngineMetrics
@@ -57,12 +56,6 @@ def test_dispatched_since_scrape_resets_on_scrape() -> None:
     assert (ds.view(A.id).queue, ds.view(A.id).in_flight) == (1, 2)  # type: ignore[union-attr]
 
 
-def _free(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 async def _until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
     for _ in range(int(timeout / 0.05)):
         if predicate():
@@ -73,9 +66,9 @@ async def _until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-u
 
 async def test_scraped_pod_drops_out_and_comes_back(tmp_path: Path) -> None:
     host = "127.0.0.90"
-    port = _free(host)
+    port = free_port(host)
     argv = kvflow_argv("sim", "--host", host, "--port", str(port), "--profile", "instant")
-    dead = Endpoint("127.0.0.91", _free("127.0.0.91"))  # nothing listens there
+    dead = Endpoint("127.0.0.91", free_port("127.0.0.91"))  # nothing listens there
     with ProcessGroup(tmp_path / "logs") as group:
         sim = group.start("sim", argv, ready_url=f"http://{host}:{port}/health")
         await asyncio.to_thread(group.wait_ready, 30)

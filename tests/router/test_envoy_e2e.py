@@ -8,7 +8,6 @@ the router to check what each listener does without it.
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,17 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
-from kvflow.procs import Child, ProcessGroup, kvflow_argv
+from kvflow.procs import Child, ProcessGroup, free_port, kvflow_argv
 from kvflow.router.envoy_config import Listener, envoy_binary, render
 from kvflow.endpoints import Endpoint
 
 MODEL = "sim-model"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

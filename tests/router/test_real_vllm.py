@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from kvflow.procs import ProcessGroup
+from kvflow.procs import ProcessGroup, free_port
 from kvflow.router import Router, SchedulingRequest, load_config
 
 pytestmark = [
@@ -21,19 +20,13 @@ pytestmark = [
 BLOCK = 32
 
 
-def _free() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(600)
 async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
     from kvflow.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
     from kvflow.tokenizer import load_tokenizer
 
     model = ensure_tiny_model()
-    port, kv_port = _free(), _free()
+    port, kv_port = free_port(), free_port()
     argv, env = vllm_command(model, "127.0.0.1", port, block_size=BLOCK, kv_events_endpoint=f"tcp://*:{kv_port}")
     with ProcessGroup(tmp_path / "logs") as group:
         group.start("vllm", argv, env=env, ready_url=f"http://127.0.0.1:{port}/health")

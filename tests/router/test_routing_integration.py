@@ -8,7 +8,6 @@ sharing a long system prompt, interleaved), hit rates read from the pods' own
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,12 +24,6 @@ from kvflow.procs import ProcessGroup  # noqa: E402
 from kvflow.endpoints import Endpoint  # noqa: E402
 
 Pods = list[tuple[Endpoint, str]]
-
-
-def _free(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
