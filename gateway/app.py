@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, from_exception
+from kvflow.gateway.accesslog import AccessLog
 from kvflow.gateway.auth import ApiKey, Authenticator
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.flow import Rate, RateLimiter
@@ -31,7 +31,7 @@ from kvflow.gateway.pools import Pool, PoolRouter, build_pool, build_router
 from kvflow.gateway.proxy import (
     AttemptFailed, Exchange, Upstream, send_error, send_json, stream_response, try_targets, whole_response,
 )
-from kvflow.openai_api import validate
+from kvflow.gateway.validation import validate
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.endpoints import Endpoint
 
@@ -93,6 +93,12 @@ class Gateway:
         self._idle = config.timeouts.idle
         self._priority_header = config.flow.priority_header.lower()
         self._forward_auth = not auth.enabled  # pods behind an open gateway may want the client's key
+        self.access = AccessLog(access_log) if config.access_log else None
+
+    def close(self) -> None:
+        """Write out what the access log still holds."""
+        if self.access is not None:
+            self.access.flush()
 
     # --- the edges: naming, errors, metrics, access log -------------------------------------
 
@@ -137,13 +143,13 @@ class Gateway:
         self.metrics.count(self.metrics.requests, ex.model, str(ex.status))
         if ex.error:
             self.metrics.count(self.metrics.failures, ex.model, ex.error)
-        if self.config.access_log:
-            access_log.info(json.dumps({
+        if self.access is not None:
+            self.access.write({
                 "ts": round(time.time(), 3), "request_id": ex.request_id, "path": ex.path, "model": ex.model,
                 "key": ex.key, "status": ex.status, "mode": ex.mode, "upstream": ex.upstream,
                 "retries": ex.retries, "ttft_ms": None if ex.first_token is None else round(ex.first_token * 1e3, 3),
                 "duration_ms": round(elapsed * 1e3, 3), "error": ex.error,
-            }))
+            })
 
     # --- routes ---------------------------------------------------------------------------
 
@@ -176,7 +182,7 @@ class Gateway:
         key = self.auth.check(request.headers.get("authorization"))
         ex.key = key.name
         body = parse_json(request.body)
-        validate(kind, body)  # type: ignore[arg-type]
+        validate(kind, body)
         found = self.names.get(body["model"])
         if found is None:
             raise ModelNotFoundError(body["model"])

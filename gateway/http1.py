@@ -10,6 +10,11 @@ a response is a buffer of chunks plus one waiter future.
     response = await pool.post(host, port, "/v1/completions", body, headers, timeout=300)
     data = await response.read()       # or: while chunk := await response.readany(): ...
     response.release()                 # back to the pool (or response.close() to abort)
+
+A connection carries one exchange at a time. ``release`` and ``close`` detach the response from
+its connection, so a second call, or a late ``close`` of an answer already released, is a no-op:
+it must never put the connection in the pool twice or abort the exchange that now uses it (two
+requests sharing one connection would each read the other's answer, or hang).
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ class ConnectError(ConnectionError):
 
 
 class Response:
-    __slots__ = ("status", "headers", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter", "_keep_alive")
+    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_buffered", "_done", "_error", "_waiter",
+                 "_keep_alive")
 
     def __init__(self, conn: _Connection) -> None:
-        self._conn = conn
+        self._conn: _Connection | None = conn  # None once released or closed
+        self._loop = conn.loop
         self.status = 0
         self.headers: dict[str, str] = {}
         self._chunks: deque[bytes] = deque()
@@ -59,7 +66,7 @@ class Response:
             await self._wait(timeout)
         chunk = self._chunks.popleft()
         self._buffered -= len(chunk)
-        if self._buffered < _PAUSE_AT:
+        if self._buffered < _PAUSE_AT and self._conn is not None:
             self._conn.resume()
         return chunk
 
@@ -75,7 +82,7 @@ class Response:
         return data
 
     async def _wait(self, timeout: float | None) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self._waiter = waiter = loop.create_future()
         timer = loop.call_later(timeout, self._timed_out) if timeout else None
         try:
@@ -87,7 +94,7 @@ class Response:
 
     def _timed_out(self) -> None:
         self._fail(TimeoutError("the pod sent nothing in time"))
-        self._conn.abort()
+        self.close()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -102,20 +109,27 @@ class Response:
             waiter.set_exception(exc)
 
     def release(self) -> None:
-        """Give the connection back for the next request, if the answer was read to its end."""
+        """Give the connection back for the next request, if the answer was read to its end.
+
+        Only the first ``release`` or ``close`` of a response acts; later ones are no-ops."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
         if self._done and self._error is None and self._keep_alive:
-            self._conn.give_back()
+            conn.give_back(self)
         else:
-            self._conn.abort()
+            conn.abort()
 
     def close(self) -> None:
         """Drop the connection: the pod sees the client go and aborts the request."""
-        self._conn.abort()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abort()
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: ConnectionPool, key: tuple[str, int]) -> None:
-        self.pool, self.key = pool, key
+    def __init__(self, pool: ConnectionPool, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
+        self.pool, self.key, self.loop = pool, key, loop  # the loop kept: get_running_loop() costs a getpid()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
@@ -130,6 +144,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.response is None:  # bytes on an idle connection: no request of ours asked for them
+            self.abort()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -148,6 +165,10 @@ class _Connection(asyncio.Protocol):
         self.pool._forget(self)
 
     # --- httptools callbacks --------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.response is None or self.response._done:  # a second answer to one request
+            raise ResponseError("the pod sent an answer nobody asked for")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
         self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -190,18 +211,19 @@ class _Connection(asyncio.Protocol):
                 self.transport.abort()
         self.pool._forget(self)
 
-    def give_back(self) -> None:
-        if self.closed:
+    def give_back(self, response: Response) -> None:
+        if self.closed or self.response is not response:
             return
-        self.response = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.response = None  # the parser, at a message boundary, reads the next answer as it is
         self.pool._idle.setdefault(self.key, []).append(self)
 
-    def send(self, head: bytes, body: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Response]:
+    def send(self, head: bytes, body: bytes) -> asyncio.Future[Response]:
         assert self.transport is not None
+        if self.response is not None:  # the pool handed out a busy connection: a bug, never send on it
+            raise RuntimeError("HTTP/1.1 connection already carries an exchange")
         self.used = True
         self.response = Response(self)
-        self.headers_waiter = loop.create_future()
+        self.headers_waiter = self.loop.create_future()
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self.transport.write(body)
@@ -243,7 +265,7 @@ class ConnectionPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), *key), self.connect_timeout
+                loop.create_connection(lambda: _Connection(self, key, loop), *key), self.connect_timeout
             )
         except (OSError, TimeoutError) as exc:
             raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc or type(exc).__name__}") from None
@@ -251,8 +273,8 @@ class ConnectionPool:
         return conn
 
     async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeout: float | None) -> Response:
-        loop = asyncio.get_running_loop()
-        waiter = conn.send(head, body, loop)
+        loop = conn.loop
+        waiter = conn.send(head, body)
         timer = loop.call_later(timeout, _expire, waiter, conn) if timeout else None
         try:
             return await waiter

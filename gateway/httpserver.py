@@ -82,8 +82,9 @@ Fallback = Callable[[Responder, int, str], None]
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, handler: Handler, fallback: Fallback, max_body: int) -> None:
+    def __init__(self, handler: Handler, fallback: Fallback, max_body: int, loop: asyncio.AbstractEventLoop) -> None:
         self.handler, self.fallback, self.max_body = handler, fallback, max_body
+        self._loop = loop  # kept: asyncio.get_running_loop() costs a getpid() system call per call
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.closed = False
@@ -94,6 +95,7 @@ class _Connection(asyncio.Protocol):
         self._too_large = False
         self._pending: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
+        self._more: asyncio.Future[None] | None = None  # the task waits on it for the next request
         self._writable: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -154,35 +156,51 @@ class _Connection(asyncio.Protocol):
         path, _, query = self._url.decode("latin-1").partition("?")
         request = Request(self.parser.get_method().decode(), path, query, self._headers,
                           b"".join(self._body), self.parser.should_keep_alive())
+        self._pending.append(request)  # pipelined ones are answered in order
         if self._task is None:
-            self._start(request)
-        else:  # pipelined: answered in order once the one in progress is done
-            self._pending.append(request)
+            self._task = self._loop.create_task(self._serve())
+        elif self._more is not None:
+            more, self._more = self._more, None
+            more.set_result(None)
 
     # --- requests -------------------------------------------------------------------------
-    def _start(self, request: Request) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(request))
+    async def _serve(self) -> None:
+        """The connection's one task: its requests in order, then waits for the next one.
 
-    async def _run(self, request: Request) -> None:
+        One task per connection rather than per request: a keep-alive client's requests cost a
+        future each, not a task (creating and registering one is a measurable share per request).
+        """
+        pending = self._pending
+        try:
+            while True:
+                if not pending:
+                    self._more = self._loop.create_future()
+                    await self._more
+                    continue
+                if not await self._run(pending.popleft()):
+                    return
+        except asyncio.CancelledError:  # the client left
+            return
+
+    async def _run(self, request: Request) -> bool:
+        """Answer one request; whether the connection stays open for the next."""
         out = Responder(self, request.keep_alive)
         try:
             await self.handler(request, out)
         except asyncio.CancelledError:
-            return
+            raise
         except Exception:  # the handler maps its own errors; this is the last guard
             if not out.started and not self.closed:
                 self.fallback(out, 500, "internal error")
             elif not self.closed:
                 self.abort()
         if self.closed:
-            return
+            return False
         if not request.keep_alive:
             self.transport.close()  # type: ignore[union-attr]
             self.closed = True
-            return
-        self._task = None
-        if self._pending:
-            self._start(self._pending.popleft())
+            return False
+        return True
 
     def _reject(self, status: int, message: str) -> None:
         """An answer the request never reaches a handler for; the connection then closes."""
@@ -203,7 +221,7 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             raise ConnectionResetError("the client has gone")
         if self._paused:
-            self._writable = asyncio.get_running_loop().create_future()
+            self._writable = self._loop.create_future()
             await self._writable
             if self.closed:
                 raise ConnectionResetError("the client has gone")
@@ -223,6 +241,6 @@ async def serve_http(handler: Handler, fallback: Fallback, host: str, port: int,
     """Listen; ``fallback(out, status, message)`` writes answers for requests that never reach
     ``handler`` (malformed HTTP, oversized bodies)."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Connection(handler, fallback, max_body), host, port,
+    server = await loop.create_server(lambda: _Connection(handler, fallback, max_body, loop), host, port,
                                       backlog=backlog, reuse_address=True, reuse_port=reuse_port)
     return server

@@ -73,8 +73,7 @@ async def prefill(upstream: Upstream, endpoint: Endpoint, path: str, body: Mappi
                   headers: Mapping[str, str]) -> dict[str, Any] | None:
     """Run the prefill step; the KV params for the decode pod, or AttemptFailed."""
     response = await upstream.send(endpoint, path, encode(prefill_body(body)), headers)
-    raw = await upstream.read_body(endpoint, response)
-    response.release()
+    raw = await upstream.read_body(endpoint, response)  # read to the end and released
     if response.status != 200:
         raise AttemptFailed(f"prefill_status_{response.status}",
                             f"{endpoint.id}: prefill answered HTTP {response.status}: {raw[:200]!r}")

@@ -49,11 +49,16 @@ class Exchange:
     key: str = "-"
     status: int = 0
     mode: str = "-"
-    upstream: str = "-"
+    endpoint: Endpoint | None = None
+    """The pod that answered."""
     retries: int = 0
     error: str | None = None
     first_token: float | None = None
     chunk_gaps: list[float] = field(default_factory=list)
+
+    @property
+    def upstream(self) -> str:
+        return "-" if self.endpoint is None else self.endpoint.id
 
 
 def sse_error(exc: KvflowError) -> bytes:
@@ -142,7 +147,7 @@ async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoi
             ex.retries += 1
         try:
             response = await upstream.send(endpoint, path, body, headers)
-            ex.upstream = endpoint.id
+            ex.endpoint = endpoint
             if stream and response.status == 200:
                 return Answer(endpoint, response, first_chunk=await upstream.first_chunk(endpoint, response))
             return Answer(endpoint, response, body=await upstream.read_body(endpoint, response))

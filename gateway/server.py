@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class RunningGateway:
 
     async def close(self) -> None:
         self.server.close()
+        self.gateway.close()
         for router in self.routers.values():
             await router.stop()
         await self.gateway.upstream.stop()
@@ -64,9 +66,26 @@ async def start_gateway(config: GatewayConfig, routers: Mapping[str, PoolRouter]
     return RunningGateway(gateway, chosen, server, port)
 
 
+def settle_heap() -> None:
+    """For a serving process, once started: keep the garbage collector off what startup built.
+
+    The router, pydantic and prometheus leave ~60k long-lived objects that every full collection
+    would walk again (tens of ms each); frozen, collections see only what requests allocate. The
+    young generation's threshold is raised so that the ~100 containers a request allocates do
+    not trigger a collection every few requests (profiled: ~15 % of the gateway's Python time).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
+
+
+GC_THRESHOLD = 20_000
+
+
 async def serve(config: GatewayConfig) -> None:
     """Run the gateway until cancelled."""
     running = await start_gateway(config)
+    settle_heap()
     print(f"kvflow gateway listening on http://{config.host}:{running.port} "
           f"(models: {', '.join(p.model for p in config.pools)})", flush=True)
     try:

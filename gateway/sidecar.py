@@ -19,7 +19,7 @@ from kvflow.gateway.httpserver import Request, Responder
 from kvflow.gateway.pd import decode_body, encode, prefill
 from kvflow.gateway.proxy import AttemptFailed, Exchange, Upstream, send_error, stream_response, try_targets, \
     whole_response
-from kvflow.gateway.server import listen
+from kvflow.gateway.server import listen, settle_heap
 from kvflow.openai_api import decode_json
 from kvflow.endpoints import Endpoint, parse_host_port
 
@@ -110,6 +110,7 @@ async def serve_sidecar(config: GatewayConfig, upstream: str) -> None:
     await sidecar.upstream.start()
     server, port = await listen(sidecar.handle, config.host, config.port, config.max_body_bytes,
                                 reuse_port=config.workers > 1)
+    settle_heap()
     print(f"kvflow sidecar listening on http://{config.host}:{port} -> {sidecar.local.url}", flush=True)
     try:
         await asyncio.Event().wait()

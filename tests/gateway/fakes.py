@@ -83,8 +83,10 @@ class FakePod:
         if self.behaviour == "400":
             return web.json_response({"error": {"message": "bad prompt", "type": "BadRequestError"}}, status=400)
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            await asyncio.sleep(0.005)  # a prefill takes a moment: concurrent ones overlap
             return web.json_response({"id": "p", "choices": [{"text": "x"}], "kv_transfer_params": {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{self.name}",
+                "remote_request_id": request.headers.get("X-Request-Id"),
                 "remote_block_ids": [0, 1], "remote_host": "127.0.0.1", "remote_port": 5600}})
         if not body.get("stream"):
             return web.json_response({"id": "c", "object": "text_completion", "model": body["model"],

@@ -186,8 +186,24 @@ async def test_pd_sends_the_nixl_protocol_to_prefill_then_decode(start) -> None:
                                                         "remote_host": None, "remote_port": None}}]
     assert decode.received == [{**request, "kv_transfer_params": {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-prefill",
-        "remote_block_ids": [0, 1], "remote_host": "127.0.0.1", "remote_port": 5600}}]
+        "remote_request_id": "pd-1", "remote_block_ids": [0, 1], "remote_host": "127.0.0.1", "remote_port": 5600}}]
     assert [h["x-request-id"] for h in prefill.headers + decode.headers] == ["pd-1", "pd-1"]
+
+
+async def test_concurrent_pd_waves_keep_each_request_with_its_own_kv_params(start) -> None:  # type: ignore[no-untyped-def]
+    # Waves of concurrent P/D requests: every decode leg must carry the kv_transfer_params its own
+    # prefill answered with. The prefill step once released its pooled connection twice; from the
+    # second wave two requests shared a connection and one hung or got the other's params.
+    stack = await start(["ok", "ok"], prefill="ok", rotate=True, timeouts={"first_byte": 3, "idle": 3})
+    ids = [f"w{wave}-{i}" for wave in range(3) for i in range(8)]
+    for wave in range(3):
+        statuses = await asyncio.wait_for(asyncio.gather(*(
+            stack.post("/v1/completions", COMPLETION, headers={"X-Request-Id": rid})
+            for rid in ids[8 * wave: 8 * wave + 8])), 10)
+        assert [s for s, _, _ in statuses] == [200] * 8
+    decoded = [(h["x-request-id"], b["kv_transfer_params"]["remote_request_id"])
+               for pod in stack.pods[:2] for h, b in zip(pod.headers, pod.received)]
+    assert sorted(decoded) == sorted(zip(ids, ids))
 
 
 async def test_a_failed_prefill_falls_back_to_aggregated_decode(start) -> None:  # type: ignore[no-untyped-def]
@@ -317,3 +333,18 @@ async def test_timeouts_first_byte_retries_and_idle_ends_the_stream(start) -> No
     metrics = (await (await stack.session.get(stack.url + "/metrics")).read()).decode()
     assert f'kvflow_gateway_retries_total{{model="{MODEL}",reason="timeout"}} 1.0' in metrics
     assert f'kvflow_gateway_failures_total{{model="{MODEL}",reason="midstream"}} 1.0' in metrics
+
+
+async def test_access_log_has_one_json_line_per_request(start, caplog) -> None:  # type: ignore[no-untyped-def]
+    stack = await start(["ok"])
+    with caplog.at_level("INFO", logger="kvflow.gateway.access"):
+        for rid in ("log-1", "log-2"):
+            assert (await stack.post("/v1/completions", COMPLETION, headers={"X-Request-Id": rid}))[0] == 200
+        stack.gateway.gateway.close()  # lines are written in batches; closing flushes them
+    lines = [json.loads(line) for r in caplog.records if r.name == "kvflow.gateway.access"
+             for line in r.getMessage().splitlines()]
+    assert [(x["request_id"], x["status"], x["mode"], x["upstream"], x["error"]) for x in lines] == [
+        ("log-1", 200, "aggregated", stack.pods[0].endpoint.id, None),
+        ("log-2", 200, "aggregated", stack.pods[0].endpoint.id, None)]
+    assert list(lines[0]) == ["ts", "request_id", "path", "model", "key", "status", "mode", "upstream", "retries",
+                              "ttft_ms", "duration_ms", "error"]

@@ -190,3 +190,80 @@ async def test_pool_replaces_a_connection_the_pod_closed_while_idle() -> None:
     finally:
         pool.close()
         await runner.cleanup()
+
+
+@pytest.fixture
+async def slow_echo() -> AsyncIterator[tuple[str, int]]:
+    """A pod that answers each POST with its body after a short delay, so exchanges overlap."""
+    async def handle(request: Request, out: Responder) -> None:
+        await asyncio.sleep(0.02)
+        out.send(200, request.body, [("Content-Type", "text/plain")])
+
+    srv = await serve_http(handle, reject, "127.0.0.1", 0, max_body=100)
+    yield "127.0.0.1", srv.sockets[0].getsockname()[1]
+    srv.close()
+
+
+async def _ask(pool: ConnectionPool, address: tuple[str, int], body: bytes) -> bytes:
+    r = await pool.post(*address, "/", body, [], timeout=2)
+    data = await r.read(2)
+    r.release()
+    return data
+
+
+async def test_a_response_released_twice_gives_its_connection_back_once(slow_echo) -> None:  # type: ignore[no-untyped-def]
+    # The P/D prefill step once released its response twice: the connection sat twice in the
+    # idle list, two concurrent requests were sent on it, and one of them hung or read the
+    # other's answer (another prompt's kv_transfer_params).
+    pool = ConnectionPool()
+    try:
+        r = await pool.post(*slow_echo, "/", b"first", [], timeout=2)
+        assert await r.read(2) == b"first"
+        r.release()
+        r.release()
+        assert len(pool._idle[slow_echo]) == 1
+        for wave in range(3):
+            bodies = [f"w{wave}-{i}".encode() for i in range(8)]
+            answers = await asyncio.wait_for(asyncio.gather(*(_ask(pool, slow_echo, b) for b in bodies)), 5)
+            assert answers == bodies
+        idle = pool._idle[slow_echo]
+        assert len(idle) == len(set(idle)) == 8
+    finally:
+        pool.close()
+
+
+async def test_a_late_close_of_a_finished_response_leaves_the_next_exchange_alone(slow_echo) -> None:  # type: ignore[no-untyped-def]
+    # e.g. the client leaves just after its answer was read and released: the stale handle's
+    # close() must not abort the connection, which by now serves another request.
+    pool = ConnectionPool()
+    try:
+        first = await pool.post(*slow_echo, "/", b"one", [], timeout=2)
+        assert await first.read(2) == b"one"
+        first.release()
+        second = await pool.post(*slow_echo, "/", b"two", [], timeout=2)
+        assert len(pool._all) == 1  # the same connection
+        first.close()
+        assert await second.read(2) == b"two"
+        second.release()
+        assert len(pool._idle[slow_echo]) == 1
+    finally:
+        pool.close()
+
+
+async def test_an_answer_nobody_asked_for_retires_the_connection() -> None:
+    # A pod that answers one request twice: the second answer must not be read by the next
+    # request sent on that connection; the connection is dropped and the next one gets a fresh one.
+    async def twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\none"
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale")
+
+    srv = await asyncio.start_server(twice, "127.0.0.1", 0)
+    address = ("127.0.0.1", srv.sockets[0].getsockname()[1])
+    pool = ConnectionPool()
+    try:
+        assert [await _ask(pool, address, b"") for _ in range(2)] == [b"one", b"one"]
+        assert pool._idle.get(address, []) == []
+    finally:
+        pool.close()
+        srv.close()

@@ -71,10 +71,6 @@ async def test_one_wave_through_the_gateway_moves_kv_over_nixl(stack: tuple[Proc
     assert sum(m["kvflow_sim:nixl_pull_fallbacks_total"] for m in decoded) == 0
 
 
-@pytest.mark.xfail(reason="gateway bug, also with --kv-transfer modelled: from the second wave of 8 concurrent "
-                          "P/D requests some hang after their prefill answered; in one run two decode pulls "
-                          "failed verification (the decode leg carried another prompt's blocks). The same "
-                          "traffic sent straight to the pods passes (test_pd_nixl_processes)", strict=False)
 async def test_waves_through_the_gateway_move_kv_over_nixl(stack: tuple[ProcessGroup, list[Pod], str]) -> None:
     _, pods, gateway = stack
     statuses: list[int | str] = []
