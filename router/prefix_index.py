@@ -54,6 +54,15 @@ def longest_prefixes(holders: dict[int, set[EndpointId]], chain: Iterable[int]) 
     return matched
 
 
+
+def drop_holder(holders: dict[int, set[EndpointId]], h: int, endpoint: EndpointId) -> None:
+    """Forget that ``endpoint`` holds block ``h``; forget the block once nobody holds it."""
+    eps = holders.get(h)
+    if eps is not None:
+        eps.discard(endpoint)
+        if not eps:
+            del holders[h]
+
 class PrefixIndex:
     """Blocks per endpoint, as the endpoints report them (KV events)."""
 
@@ -94,11 +103,7 @@ class PrefixIndex:
         return longest_prefixes(self.holders, chain)
 
     def _drop_holder(self, h: int, endpoint: EndpointId) -> None:
-        eps = self.holders.get(h)
-        if eps is not None:
-            eps.discard(endpoint)
-            if not eps:
-                del self.holders[h]
+        drop_holder(self.holders, h, endpoint)
 
 
 class ApproxPrefixIndex:
@@ -157,11 +162,7 @@ class ApproxPrefixIndex:
             self._drop_holder(h, endpoint)
 
     def _drop_holder(self, h: int, endpoint: EndpointId) -> None:
-        eps = self.holders.get(h)
-        if eps is not None:
-            eps.discard(endpoint)
-            if not eps:
-                del self.holders[h]
+        drop_holder(self.holders, h, endpoint)
 
 
 class SpeculativeIndex:
