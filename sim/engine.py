@@ -81,9 +81,14 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
     def submit(self, req: SimRequest) -> None:
         self.scheduler.add(req)
+        if self.scheduler.config.kv_transfer and req.wants_remote_prefill:
+            # from now until its pull ends, keep the prefill pod's blocks alive (vLLM 0.32's
+            # heartbeats): the request may wait for free blocks longer than their lease
+            self.transfer.track(req.request_id, req.kv_transfer_params or {})
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
+        self.transfer.untrack(request_id)
         req = self.scheduler.abort(request_id, time.monotonic())
         if req is not None:
             self._flush_events()
@@ -227,6 +232,8 @@ class Engine:
             ok, seconds = result.ok, result.seconds
             if not ok:
                 log.info("kv pull for %s failed (%s); prefilling locally", req.request_id, result.reason)
+        finally:
+            self.transfer.untrack(req.request_id)  # done, failed or cancelled: its lease needs no renewal
         req.pull_seconds = seconds
         if not ok and self.metrics is not None:
             self.metrics.pd_fallbacks.inc()

@@ -9,7 +9,8 @@ movement sits behind ``KVTransfer``, chosen with ``--kv-transfer``:
   whether the blocks are still pinned, which also releases them, then waits the profile's
   modelled transfer time. Expired or unknown blocks make the pull fail (the decode pod then
   prefills locally), exactly the failure a real pull of expired blocks has.
-* ``nixl`` — ``kvflow.sim.nixl_transfer.NixlTransfer``: real bytes through NIXL.
+* ``nixl`` — ``kvflow.sim.nixl_transfer.NixlTransfer``: real bytes through NIXL, and vLLM 0.32's
+  lease heartbeats (``track``/``untrack``) that keep a waiting decode request's blocks pinned.
 * ``none`` — P/D requests are served as ordinary requests (no export, no pull).
 
 Block contents, where a transfer moves bytes, are ``block_payload(token_ids, nbytes)``: a
@@ -75,6 +76,16 @@ class KVTransfer(Protocol):
 
     async def pull(self, params: dict[str, Any], local_block_ids: list[int], token_ids: list[int]) -> PullResult:
         """Decode side: fetch the remote blocks named in ``params`` into ``local_block_ids``."""
+        ...
+
+    def track(self, request_id: str, params: dict[str, Any]) -> None:
+        """Decode side: a ``do_remote_prefill`` request was added. Until ``untrack``, keep its
+        prefill blocks alive (vLLM 0.32 sends lease-renewal heartbeats) — it may wait for free
+        blocks far longer than the prefill pod's pin timeout."""
+        ...
+
+    def untrack(self, request_id: str) -> None:
+        """Decode side: the request's pull finished (either way) or it was aborted. Idempotent."""
         ...
 
 
@@ -172,6 +183,12 @@ class ModelledTransfer:
             await asyncio.sleep(delay)
         return PullResult(True, time.monotonic() - start, nbytes, "")
 
+    def track(self, request_id: str, params: dict[str, Any]) -> None:
+        pass  # no leases to renew: a waiting decode request's blocks expire after pin_timeout_s
+
+    def untrack(self, request_id: str) -> None:
+        pass
+
     async def _claim(self, params: dict[str, Any]) -> tuple[bool, str]:
         """Ask the prefill pod to hand over (and release) the pinned blocks."""
         host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
@@ -213,6 +230,12 @@ class NoTransfer:
 
     async def pull(self, params: dict[str, Any], local_block_ids: list[int], token_ids: list[int]) -> PullResult:
         return PullResult(False, 0.0, 0, "kv transfer disabled")
+
+    def track(self, request_id: str, params: dict[str, Any]) -> None:
+        pass
+
+    def untrack(self, request_id: str) -> None:
+        pass
 
 
 def make_transfer(kind: str, config: TransferConfig) -> KVTransfer:

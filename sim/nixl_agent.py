@@ -41,6 +41,7 @@ so the first READs into fresh blocks pay no page faults.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import mmap
 import queue
@@ -103,13 +104,18 @@ class ProgressConfig:
 @dataclass(frozen=True, slots=True)
 class ReadResult:
     seconds: float
-    """From posting the READ to seeing it complete."""
+    """The transfer, posting to completion, as NIXL's telemetry times it (what vLLM 0.32 reports
+    as ``vllm:nixl_xfer_time_seconds``); our own clock around the calls where NIXL has none."""
     post_seconds: float
+    """Of which posting (``transfer()``): over CMA the copy itself happens here."""
     nbytes: int
     descriptors: int
+    """As NIXL moved them: adjacent descriptors are merged (vLLM's ``vllm:nixl_num_descriptors``)."""
     mismatched: tuple[int, ...] | None = None
     """Blocks ``verify`` found wrong (empty: all good); None when not verified."""
     verify_seconds: float = 0.0
+    prep_seconds: float = 0.0
+    """Building the transfer handle (``make_prepped_xfer``) before posting it."""
 
 
 Verify = Callable[[], Sequence[int]]
@@ -128,6 +134,8 @@ class _InFlight:
     handle: Any
     future: asyncio.Future[ReadResult]
     started: float
+    """When ``transfer()`` was called."""
+    prep_seconds: float
     post_seconds: float
     deadline: float
     nbytes: int
@@ -287,7 +295,8 @@ class NixlAgent:
         return self.progress.idle_interval
 
     def _create(self, api: Any) -> None:
-        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
+                                       capture_telemetry=True)  # per-transfer timings, as vLLM 0.32 enables
         self._agent = api.nixl_agent(self.name, config)
         self._reg = self._agent.register_memory([(self.base_addr, self.buffer.nbytes, 0, "")], "DRAM")
         local = descriptors(self.region_bases, self.layout.block_len, self.layout.num_blocks)
@@ -328,17 +337,18 @@ class NixlAgent:
         local_desc = descriptor_ids(regions, self.layout.num_blocks, local_ids)
         remote_desc = descriptor_ids(regions, remote.num_blocks, remote_ids)
         nbytes = len(local_ids) * self.layout.bytes_per_block
-        started = time.perf_counter()
+        began = time.perf_counter()
         try:
             handle = self._agent.make_prepped_xfer(
                 "READ", self._local_dlist, local_desc, remote.dlist, remote_desc, notif_msg=notif)
+            started = time.perf_counter()
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 - NIXL errors share no base class
             self._fail(future, TransferFailed(_reason(exc), str(exc)))
             return
         posted = time.perf_counter()
-        flight = _InFlight(handle, future, started, posted - started, started + timeout, nbytes, len(local_desc),
-                           verify)
+        flight = _InFlight(handle, future, started, started - began, posted - started, began + timeout, nbytes,
+                           len(local_desc), verify)
         self._settle(flight, state)
 
     def _poll_transfers(self) -> None:
@@ -356,7 +366,7 @@ class NixlAgent:
     def _settle(self, flight: _InFlight, state: str) -> None:
         now = time.perf_counter()
         if state == "DONE":
-            self._complete(flight, now - flight.started)
+            self._complete(flight, self._timings(flight, now))
             self._release(flight.handle)  # while the loop wakes up (tens of µs here), not before
         elif state == "PROC" and now < flight.deadline:
             self._inflight.append(flight)
@@ -365,8 +375,20 @@ class NixlAgent:
             reason = "timeout" if state == "PROC" else "error"
             self._fail(flight.future, TransferFailed(reason, f"transfer state {state}"))
 
-    def _complete(self, flight: _InFlight, seconds: float) -> None:
-        result = ReadResult(seconds, flight.post_seconds, flight.nbytes, flight.descriptors)
+    def _timings(self, flight: _InFlight, done: float) -> ReadResult:
+        """A finished READ's figures: NIXL's own telemetry where it has it, else our clock."""
+        seconds, post, descriptors = done - flight.started, flight.post_seconds, flight.descriptors
+        try:
+            telemetry = self._agent.get_xfer_telemetry(flight.handle)
+        except Exception as exc:  # noqa: BLE001 - telemetry off or unsupported: our clock will do
+            log.debug("no NIXL telemetry for a READ: %s", exc)
+        else:
+            if telemetry.xferDuration > 0:
+                seconds, post = telemetry.xferDuration / 1e6, telemetry.postDuration / 1e6
+                descriptors = telemetry.descCount
+        return ReadResult(seconds, post, flight.nbytes, descriptors, prep_seconds=flight.prep_seconds)
+
+    def _complete(self, flight: _InFlight, result: ReadResult) -> None:
         if flight.verify is not None:
             started = time.perf_counter()
             try:
@@ -374,8 +396,7 @@ class NixlAgent:
             except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 self._fail(flight.future, exc)
                 return
-            result = ReadResult(seconds, flight.post_seconds, flight.nbytes, flight.descriptors, mismatched,
-                                time.perf_counter() - started)
+            result = dataclasses.replace(result, mismatched=mismatched, verify_seconds=time.perf_counter() - started)
         self._resolve(flight.future, result)
 
     def _poll_notifs(self) -> None:

@@ -7,7 +7,8 @@ bytes histogram's ``_sum`` the bytes moved), and the counters ``vllm:nixl_num_fa
 ``vllm:nixl_num_failed_notifications``, ``vllm:nixl_num_kv_expired_reqs`` and
 ``vllm:nixl_num_notifications_after_expiry`` (0.32's names, docs/vllm-protocols.md §3). The same names, buckets and labels
 (``model_name``, ``engine``) are used here. What vLLM has no metric for is ``kvflow_sim:nixl_*``:
-fallbacks to local prefill by reason, handshakes, content verification, and pinned exports.
+fallbacks to local prefill by reason, handshakes, content verification, pinned exports, and
+lease heartbeats (sent by decode pods, received and leases extended by prefill pods).
 
 ``NixlMetrics`` owns a private registry and is itself a collector, so the simulator's
 ``/metrics`` includes it with ``sim_registry.register(transfer.metrics)``.
@@ -73,6 +74,14 @@ class NixlMetrics:
         released = counter("kvflow_sim:nixl_exports_released",
                            "Exported (pinned) prefill blocks released, by cause.", ("cause",))
         self.released = {cause: released.labels(*values, cause) for cause in ("notified", "expired", "engine")}
+        heartbeats = counter("kvflow_sim:nixl_heartbeats_sent",
+                             "Lease-renewal heartbeats (one NIXL notification per prefill engine and "
+                             "interval) sent, by result.", ("result",))
+        self.heartbeats_sent = {result: heartbeats.labels(*values, result) for result in ("ok", "failed")}
+        self.heartbeats_received = counter("kvflow_sim:nixl_heartbeats_received",
+                                           "Lease-renewal heartbeats received from decode pods.").labels(*values)
+        self.leases_extended = counter("kvflow_sim:nixl_leases_extended",
+                                       "Pinned exports whose expiry a heartbeat moved later.").labels(*values)
         Gauge("kvflow_sim:nixl_pinned_exports", "Prefill requests whose blocks wait for a decode pull.",
               names, registry=r).labels(*values).set_function(lambda: float(pinned()))
 

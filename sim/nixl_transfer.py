@@ -12,6 +12,15 @@ every block's content, then notify the prefill pod with a separate notification 
 done, as vLLM 0.32 does — not attached to the READ, since such a READ completes only when the
 prefill pod's worker progresses, which would tie decode latency to the prefill pod's polling.
 
+Leases are renewed by heartbeats, as in vLLM 0.32, because a decode request may wait for free
+blocks far longer than the pin timeout. From ``track`` (the engine added a ``do_remote_prefill``
+request) to ``untrack`` (its pull finished either way, or it was aborted) the decode side names
+the request in a heartbeat: every ``pin_timeout_s / 6`` one NIXL notification
+``b"HB:<remote_request_id>,<remote_request_id>,…"`` per prefill engine, shaking hands first if the
+engine is new. The prefill side moves each named pin's expiry to
+``max(expiry, now + 2/3 × pin_timeout_s)`` and ignores ids it does not hold; a heartbeat never
+frees blocks. Nothing tracked, the heartbeat task waits on an event: an idle pod runs no timer.
+
 Failures fall back to local prefill (``PullResult.ok`` false) and are counted by reason:
 
     bad_params           kv_transfer_params lack a field, or name blocks the prompt does not have
@@ -30,8 +39,8 @@ import asyncio
 import logging
 import os
 import uuid
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -69,9 +78,16 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_BUSY_S = 10.0
 """How long a pod progresses promptly after answering a handshake (its peer is connecting)."""
+WIREUP_BUSY_S = 1.0
+"""How long a decode pod progresses promptly after a heartbeat found no connection to its engine:
+UCX wires a connection up only as both sides progress, and with no READ of ours polling, the idle
+tick (200 ms) would hold the first heartbeats back for half a second."""
 EXPIRED_MEMORY = 4096
 NOTIF_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 REQUIRED_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
+HEARTBEAT_PREFIX = "HB:"
+HEARTBEAT_MIN_INTERVAL_S = 0.01
+"""A floor under ``pin_timeout_s / 6``: a tiny pin timeout must not make the heartbeat task spin."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +132,15 @@ def layout_for_host(host: KVHost, shape: str | None, num_layers: int = 2) -> KVL
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteEngine:
+    """A prefill engine and its side channel: what a handshake needs."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
 class PullPlan:
     """Which remote blocks go into which local ones (pure: checked before any I/O)."""
 
@@ -128,14 +153,14 @@ class PullPlan:
     first_block: int
     """Index, within the prompt, of the first block pulled (blocks before it were cached locally)."""
 
+    @property
+    def remote(self) -> RemoteEngine:
+        return RemoteEngine(self.engine_id, self.host, self.port)
 
-def plan_pull(params: Mapping[str, Any], local_block_ids: Sequence[int], num_prompt_tokens: int,
-              block_size: int) -> PullPlan:
-    """Line the decode pod's uncached blocks up with the prefill pod's; ``ValueError`` if impossible.
 
-    The local blocks are the prompt's last ``len(local)`` blocks (earlier ones hit the prefix
-    cache), so they pair with the remote blocks at the same prompt positions.
-    """
+def remote_of(params: Mapping[str, Any]) -> tuple[RemoteEngine, str]:
+    """The prefill engine ``kv_transfer_params`` name, and the request's id there; ``ValueError``
+    if a field is missing or bad."""
     missing = [key for key in REQUIRED_PARAMS if params.get(key) in (None, "")]
     if missing:
         raise ValueError(f"kv_transfer_params lack {', '.join(missing)}")
@@ -144,13 +169,47 @@ def plan_pull(params: Mapping[str, Any], local_block_ids: Sequence[int], num_pro
         port = int(params["remote_port"])
     except (TypeError, ValueError) as exc:
         raise ValueError(f"kv_transfer_params have a bad remote_port: {params['remote_port']!r}") from exc
+    return RemoteEngine(engine_id, host, port), request_id
+
+
+def plan_pull(params: Mapping[str, Any], local_block_ids: Sequence[int], num_prompt_tokens: int,
+              block_size: int) -> PullPlan:
+    """Line the decode pod's uncached blocks up with the prefill pod's; ``ValueError`` if impossible.
+
+    The local blocks are the prompt's last ``len(local)`` blocks (earlier ones hit the prefix
+    cache), so they pair with the remote blocks at the same prompt positions.
+    """
+    engine, request_id = remote_of(params)
     remote = flat_block_ids(params.get("remote_block_ids"))
     prompt_blocks = -(-num_prompt_tokens // block_size)
     first = prompt_blocks - len(local_block_ids)
     if first < 0 or prompt_blocks > len(remote):
         raise ValueError(f"{len(local_block_ids)} local and {len(remote)} remote blocks for a "
                          f"{prompt_blocks}-block prompt")
-    return PullPlan(engine_id, host, port, request_id, list(local_block_ids), remote[first:prompt_blocks], first)
+    return PullPlan(engine.engine_id, engine.host, engine.port, request_id, list(local_block_ids),
+                    remote[first:prompt_blocks], first)
+
+
+def heartbeat_message(remote_request_ids: Iterable[str]) -> bytes:
+    """vLLM 0.32's lease renewal, ``b"HB:" + ",".join(ids)`` (sorted here: repeatable bytes)."""
+    return (HEARTBEAT_PREFIX + ",".join(sorted(remote_request_ids))).encode()
+
+
+def heartbeat_ids(message: str) -> list[str] | None:
+    """The request ids a heartbeat names; None if ``message`` is not a heartbeat but a transfer-done
+    notification ``"<remote_request_id>:<tp_size>"`` (``HB:…`` must never be split at its colon)."""
+    if not message.startswith(HEARTBEAT_PREFIX):
+        return None
+    return [request_id for request_id in message[len(HEARTBEAT_PREFIX):].split(",") if request_id]
+
+
+@dataclass(slots=True)
+class _Leases:
+    """Decode side: the tracked requests waiting on one prefill engine, whose leases heartbeats renew."""
+
+    remote: RemoteEngine
+    request_ids: Counter[str] = field(default_factory=Counter)
+    """Remote request id → local requests naming it (a client may send the same params twice)."""
 
 
 @dataclass(slots=True)
@@ -177,6 +236,11 @@ class NixlTransfer:
         self._peers: dict[str, _Peer] = {}
         self._handshakes: dict[str, asyncio.Task[_Peer]] = {}
         self._notifs: set[asyncio.Task[None]] = set()
+        self._tracked: dict[str, tuple[str, str]] = {}  # local request id -> (engine id, remote request id)
+        self._leases: dict[str, _Leases] = {}  # by prefill engine id
+        self._tracking = asyncio.Event()  # set while anything is tracked: the heartbeat task runs
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._beats: dict[str, asyncio.Task[None]] = {}  # a heartbeat in flight, by engine id
 
     @property
     def side_channel_port(self) -> int:
@@ -207,6 +271,8 @@ class NixlTransfer:
         await self._server.start()
         self._client_ctx = zmq.asyncio.Context()
         self._expose_metrics()
+        self._heartbeat_task = asyncio.get_running_loop().create_task(
+            self._heartbeat_loop(), name=f"nixl-heartbeats-{self.engine_id}")
 
     def _expose_metrics(self) -> None:
         """Join the engine's ``/metrics`` registry, when the host has one (the simulator's engine does)."""
@@ -216,6 +282,7 @@ class NixlTransfer:
             self._registry = registry
 
     async def stop(self) -> None:
+        await self._stop_heartbeats()
         for task in [*self._handshakes.values(), *self._notifs]:
             task.cancel()
         for timer in self._pins.values():
@@ -276,13 +343,125 @@ class NixlTransfer:
     def _on_notifs(self, notifs: Notifs) -> None:
         for messages in notifs.values():
             for message in messages:
-                request_id, _, _tp = message.decode(errors="replace").rpartition(":")
-                if request_id in self._pins:
-                    self._release(request_id, "notified")
-                elif request_id in self._expired:
-                    self.metrics.late_notifications.inc()
+                text = message.decode(errors="replace")
+                request_ids = heartbeat_ids(text)
+                if request_ids is None:
+                    self._on_done(text)
                 else:
-                    log.info("notification for unknown request %r", request_id)
+                    self._extend_leases(request_ids)
+
+    def _on_done(self, message: str) -> None:
+        """``"<remote_request_id>:<tp_size>"``: a decode pod has read the blocks."""
+        request_id, _, _tp = message.rpartition(":")
+        if request_id in self._pins:
+            self._release(request_id, "notified")
+        elif request_id in self._expired:
+            self.metrics.late_notifications.inc()
+        else:
+            log.info("notification for unknown request %r", request_id)
+
+    def _extend_leases(self, request_ids: list[str]) -> None:
+        """A heartbeat: each named pin now expires at the later of its deadline and now + 2/3 of
+        the pin timeout (vLLM's ``lease_extension``). Ids not pinned here (already freed, expired,
+        never exported) are ignored: the decode side learns of those from its pull."""
+        self.metrics.heartbeats_received.inc()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.pin_timeout_s * 2 / 3
+        for request_id in request_ids:
+            timer = self._pins.get(request_id)
+            if timer is None or timer.when() >= deadline:
+                continue
+            timer.cancel()
+            self._pins[request_id] = loop.call_at(deadline, self._release, request_id, "expired")
+            self.metrics.leases_extended.inc()
+
+    # -- decode side: leases ------------------------------------------------------------------
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """vLLM 0.32's ``kv_lease_duration // 6`` (5 s at the default 30 s pin timeout)."""
+        return max(self.config.pin_timeout_s / 6, HEARTBEAT_MIN_INTERVAL_S)
+
+    def track(self, request_id: str, params: dict[str, Any]) -> None:
+        """Name the request in heartbeats to its prefill engine until ``untrack``. Params without
+        a usable address are not tracked (vLLM's rule too): their pull fails as ``bad_params``."""
+        try:
+            remote, remote_id = remote_of(params)
+        except ValueError:
+            return
+        self.untrack(request_id)  # re-added under the same id: only its latest params count
+        leases = self._leases.get(remote.engine_id)
+        if leases is None:
+            leases = self._leases[remote.engine_id] = _Leases(remote)
+        leases.request_ids[remote_id] += 1
+        self._tracked[request_id] = (remote.engine_id, remote_id)
+        self._tracking.set()
+
+    def untrack(self, request_id: str) -> None:
+        key = self._tracked.pop(request_id, None)
+        if key is None:
+            return
+        engine_id, remote_id = key
+        leases = self._leases[engine_id]
+        leases.request_ids[remote_id] -= 1
+        if leases.request_ids[remote_id] <= 0:
+            del leases.request_ids[remote_id]
+        if not leases.request_ids:
+            del self._leases[engine_id]  # no key left behind for an engine that went away
+        if not self._leases:
+            self._tracking.clear()
+
+    @property
+    def tracked(self) -> dict[str, list[str]]:
+        """Prefill engine id → the remote request ids its heartbeats name (sorted)."""
+        return {engine_id: sorted(leases.request_ids) for engine_id, leases in self._leases.items()}
+
+    async def _heartbeat_loop(self) -> None:
+        """While anything is tracked, one round of heartbeats per interval; parked otherwise. The
+        first round follows the first ``track`` at once (vLLM: the next step after an idle spell)."""
+        while True:
+            await self._tracking.wait()
+            self._send_heartbeats()
+            await asyncio.sleep(self.heartbeat_interval)
+
+    def _send_heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        for engine_id, leases in self._leases.items():
+            if engine_id in self._beats:
+                continue  # the last one still waits for its handshake (vLLM skips that engine too)
+            task = loop.create_task(self._heartbeat(leases))
+            self._beats[engine_id] = task
+            task.add_done_callback(partial(self._heartbeat_done, engine_id))
+
+    def _heartbeat_done(self, engine_id: str, _task: asyncio.Task[None]) -> None:
+        self._beats.pop(engine_id, None)
+
+    async def _heartbeat(self, leases: _Leases) -> None:
+        """One ``HB:`` notification to one engine. Failures are counted and logged, never raised:
+        the next interval tries again, and blocks that expire meanwhile fail their pull's check."""
+        try:
+            new = leases.remote.engine_id not in self._peers
+            peer = await self._peer(leases.remote)
+            if new:
+                self._running_agent().hold_busy(WIREUP_BUSY_S)
+            if not leases.request_ids:
+                return  # all untracked while shaking hands
+            await self._running_agent().send_notif(peer.agent_name, heartbeat_message(leases.request_ids))
+        except Exception as exc:  # noqa: BLE001 - handshake and NIXL errors share no base class
+            self.metrics.heartbeats_sent["failed"].inc()
+            log.debug("heartbeat to %s failed: %s", leases.remote.engine_id, exc)
+            return
+        self.metrics.heartbeats_sent["ok"].inc()
+
+    async def _stop_heartbeats(self) -> None:
+        tasks = [task for task in (self._heartbeat_task, *self._beats.values()) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._heartbeat_task = None
+        self._tracked.clear()
+        self._leases.clear()
+        self._tracking.clear()
 
     # -- decode side ------------------------------------------------------------------------------
 
@@ -295,7 +474,7 @@ class NixlTransfer:
         except ValueError as exc:
             return self._fallback("bad_params", str(exc), loop.time() - start)
         try:
-            peer = await self._peer(plan)
+            peer = await self._peer(plan.remote)
             result = await self._read(plan, peer, self._verifier(plan, token_ids))
         except HandshakeError as exc:
             return self._fallback("prefill_unreachable", str(exc), loop.time() - start)
@@ -330,7 +509,7 @@ class NixlTransfer:
         """Drop a peer whose READ failed; re-handshake; the new peer if it is a new agent."""
         if await self._forget(plan.engine_id, peer):
             self.metrics.rehandshakes.inc()
-        fresh = await self._peer(plan)
+        fresh = await self._peer(plan.remote)
         return None if fresh.agent_name == peer.agent_name else fresh
 
     async def _forget(self, engine_id: str, peer: _Peer) -> bool:
@@ -341,26 +520,26 @@ class NixlTransfer:
         await self._running_agent().remove_remote(peer.agent_name)
         return True
 
-    async def _peer(self, plan: PullPlan) -> _Peer:
-        """The cached peer for an engine, or one handshake shared by all concurrent pulls."""
-        peer = self._peers.get(plan.engine_id)
+    async def _peer(self, remote: RemoteEngine) -> _Peer:
+        """The cached peer for an engine, or one handshake shared by all concurrent pulls and heartbeats."""
+        peer = self._peers.get(remote.engine_id)
         if peer is not None:
             return peer
-        task = self._handshakes.get(plan.engine_id)
+        task = self._handshakes.get(remote.engine_id)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._handshake(plan))
-            self._handshakes[plan.engine_id] = task
-            task.add_done_callback(partial(self._handshake_done, plan.engine_id))
+            task = asyncio.get_running_loop().create_task(self._handshake(remote))
+            self._handshakes[remote.engine_id] = task
+            task.add_done_callback(partial(self._handshake_done, remote.engine_id))
         return await asyncio.shield(task)
 
     def _handshake_done(self, engine_id: str, _task: asyncio.Task[_Peer]) -> None:
         self._handshakes.pop(engine_id, None)
 
-    async def _handshake(self, plan: PullPlan) -> _Peer:
+    async def _handshake(self, remote: RemoteEngine) -> _Peer:
         agent = self._running_agent()
         assert self._client_ctx is not None
         try:
-            meta = await fetch_metadata(plan.host, plan.port, compat=self._compat, engine_id=plan.engine_id,
+            meta = await fetch_metadata(remote.host, remote.port, compat=self._compat, engine_id=remote.engine_id,
                                         timeout=self.options.handshake_timeout, ctx=self._client_ctx)
             name = await agent.add_remote(meta.agent_metadata, meta.kv_caches_base_addr, meta.num_blocks)
         except HandshakeError:
@@ -368,10 +547,10 @@ class NixlTransfer:
             raise
         except Exception as exc:
             self.metrics.handshakes["failed"].inc()
-            raise HandshakeError(f"loading agent metadata of {plan.engine_id}: {exc}") from exc
+            raise HandshakeError(f"loading agent metadata of {remote.engine_id}: {exc}") from exc
         self.metrics.handshakes["ok"].inc()
         peer = _Peer(name, meta)
-        self._peers[plan.engine_id] = peer
+        self._peers[remote.engine_id] = peer
         return peer
 
     def _verifier(self, plan: PullPlan, token_ids: list[int]) -> Verify | None:
