@@ -127,6 +127,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
+    # Until the stack is up, SIGTERM unwinds like Ctrl-C: the ProcessGroup stops what has started.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         plan = plan_stack(args.decode, args.prefill, gateway=args.gateway, pod_port=args.pod_port)
     except ValueError as exc:
@@ -156,8 +158,9 @@ def serve(group: ProcessGroup, pods: list[Child], plan: StackPlan, args: argpars
     except StartupError as exc:
         print(f"kvflow up: {exc}", file=sys.stderr)
         return 1
+    stop = stop_on_signals()  # before the banner: whoever reads it may signal us at once
     print_banner(plan, args)
-    return wait_for_stop(group)
+    return wait_for_stop(group, stop)
 
 
 def args_timeout(args: argparse.Namespace) -> float:
@@ -179,11 +182,20 @@ def print_banner(plan: StackPlan, args: argparse.Namespace) -> None:
     print("\n".join(lines), flush=True)
 
 
-def wait_for_stop(group: ProcessGroup) -> int:
-    """Block until SIGINT/SIGTERM or until a child dies; the caller's context stops the rest."""
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> threading.Event:
+    """From now on SIGINT/SIGTERM set the returned event instead of interrupting."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for_stop(group: ProcessGroup, stop: threading.Event) -> int:
+    """Block until ``stop`` is set or until a child dies; the caller's context stops the rest."""
     while not stop.wait(0.5):
         dead = [c for c in group.children if not c.alive()]
         if dead:

@@ -92,6 +92,29 @@ def test_stack_serves_completions_and_streams(aggregated: Stack):
     assert [m["id"] for m in models["data"]] == ["sim-model"]
 
 
+def test_sigterm_during_start_up_stops_what_has_started(tmp_path: Path):
+    gw, pod_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvflow", "up", "--gateway", f"127.0.0.1:{gw}", "--pod-port", str(pod_port),
+            "--log-dir", str(tmp_path / "logs"), "--decode", "2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = f"--port {pod_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not pids_with(marker) and time.monotonic() < deadline:  # the pods are starting
+            time.sleep(0.02)
+        assert pids_with(marker), "no pod started"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while pids_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pids_with(marker) == [] and pids_with(f"127.0.0.1:{gw}") == []
+    assert proc.returncode == 130  # interrupted, as Ctrl-C would, not killed by the signal
+
+
 def test_sigterm_stops_every_child(tmp_path: Path):
     stack = start_stack(tmp_path, "--decode", "2")
     marker = f"--port {stack.pod_port}"
