@@ -7,15 +7,17 @@ stops what it started. This is control-plane code, not the data path: it may blo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -82,15 +84,14 @@ class ProcessGroup:
         ready_url: str | None = None,
     ) -> Child:
         log_path = self.log_dir / f"{name}.log"
-        log = log_path.open("wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        popen = subprocess.Popen(
-            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=full_env, start_new_session=True,
-        )
-        log.close()
-        child = Child(name, list(argv), popen, log_path, ready_url)
-        self.children.append(child)
+        with signals_deferred(), log_path.open("wb") as log:  # a Ctrl-C here must not lose the child
+            popen = subprocess.Popen(
+                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=full_env, start_new_session=True,
+            )
+            child = Child(name, list(argv), popen, log_path, ready_url)
+            self.children.append(child)
         return child
 
     def wait_ready(self, timeout: float = 30.0, children: Sequence[Child] | None = None) -> None:
@@ -132,6 +133,30 @@ class ProcessGroup:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.stop_all()
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then deliver the first that came.
+
+    Starting a child and recording it must not be split by an interrupt: a ``KeyboardInterrupt``
+    raised inside ``Popen`` (after the fork) or before the child is recorded would leave a
+    process that no ``ProcessGroup`` knows to stop. Python handlers can only be set on the main
+    thread; elsewhere signals are not handled by Python anyway, so the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    watched = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum)) for sig in watched}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -183,6 +183,8 @@ def print_banner(plan: StackPlan, args: argparse.Namespace) -> None:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
