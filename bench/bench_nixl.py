@@ -66,7 +66,7 @@ from kvflow.sim.nixl_layout import (
 
 T = TypeVar("T")
 CACHES = {
-    "data-cold": "caches evicted, then the same kind run on one block: code warm, the measured blocks cold "
+    "data-cold": "caches evicted, then the same kind run on a spare block: code warm, the measured blocks cold "
                  "(a busy pod pulling blocks it has not touched)",
     "cold": "caches evicted: code and blocks cold (a first pull after a pause)",
     "warm": "the same kind run on the same blocks first: the bytes in cache (back-to-back transfers)",

@@ -128,7 +128,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     # Until the stack is up, SIGTERM unwinds like Ctrl-C: the ProcessGroup stops what has started.
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         plan = plan_stack(args.decode, args.prefill, gateway=args.gateway, pod_port=args.pod_port)
     except ValueError as exc:
