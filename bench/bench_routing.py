@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvbench import report, routers
 from kvbench.runner import Options, Outcome, bench_workload, saturation_row_rate
-from kvbench.workloads import DESCRIPTIONS, WORKLOADS
+from kvbench.workloads import WORKLOADS, describe
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -56,9 +56,11 @@ def parser() -> argparse.ArgumentParser:
 
 def print_outcome(outcome: Outcome) -> None:
     w = outcome.workload
-    print(f"\n### workload {w.name}: {DESCRIPTIONS[w.name]}; "
+    print(f"\n### workload {w.name}: {describe(w)}; "
           f"{w.decode_pods} {'decode pods + ' + str(w.prefill_pods) + ' prefill' if w.pd else 'pods'}, "
-          f"{w.num_blocks} KV blocks each; round-robin saturates near {outcome.saturation:g} req/s (replay)\n")
+          f"{w.num_blocks} KV blocks each; "
+          + (f"round-robin saturates near {outcome.saturation:g} req/s (replay)\n" if outcome.saturation == outcome.saturation
+             else "rates given\n"))
     print(report.table(outcome.rows))
     print()
     print(report.calibration(outcome.rows))
@@ -77,7 +79,7 @@ async def main_async(args: argparse.Namespace) -> list[Outcome]:
         outcome = await bench_workload(WORKLOADS[name], args.routers, opts)
         outcomes.append(outcome)
         print_outcome(outcome)
-        report.plot(outcome.rows, f"workload {name}: {DESCRIPTIONS[name]}", args.out / f"routing-{name}.png")
+        report.plot(outcome.rows, f"workload {name}: {describe(WORKLOADS[name])}", args.out / f"routing-{name}.png")
         sys.stdout.flush()
     return outcomes
 

@@ -248,25 +248,26 @@ def _earliest_send(trace: Trace, prepared: Sequence[Prepared], i: int) -> float:
         r = prepared[r.after].request
 
 
-def saturation_rate(workload_trace: Callable[[float], Trace], *, pods: int, profile: Profile, num_blocks: int,
-                    start: float = 1.0, knee: float = 3.0, limit: float = 200.0) -> float:
-    """The request rate where round-robin saturates on the replay: the first rate (a geometric
-    ladder, then bisection) whose mean TTFT exceeds ``knee`` times the mean at a light load."""
+def saturation_rate(make_trace: Callable[[float, float], Trace], duration: float, *, pods: int, profile: Profile,
+                    num_blocks: int, knee: float = 3.0, limit: float = 200.0) -> float:
+    """The request rate where round-robin saturates on the replay: the first rate (doubling from
+    2 req/s, then bisection) whose mean TTFT exceeds ``knee`` times the mean at 1 req/s.
+    ``make_trace(rate, duration)`` builds the workload's trace."""
 
-    def mean_ttft(rate: float) -> float:
-        result = replay(workload_trace(rate), RoundRobin(), pods=pods, profile=profile, num_blocks=num_blocks)
+    def mean_ttft(rate: float, seconds: float) -> float:
+        result = replay(make_trace(rate, seconds), RoundRobin(), pods=pods, profile=profile, num_blocks=num_blocks)
         done = [t for t in result.ttft if not math.isnan(t)]
         return sum(done) / len(done) if done else math.inf
 
-    base = mean_ttft(start / 4)
-    lo, hi = start / 4, start
-    while mean_ttft(hi) <= knee * base:
+    base = mean_ttft(1.0, max(duration, 60.0))  # enough requests to average over, cold misses included
+    lo, hi = 1.0, 2.0
+    while mean_ttft(hi, duration) <= knee * base:
         lo, hi = hi, hi * 2
         if hi > limit:
             return limit
     for _ in range(4):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mean_ttft(mid) <= knee * base else (lo, mid)
+        lo, hi = (mid, hi) if mean_ttft(mid, duration) <= knee * base else (lo, mid)
     return hi
 
 

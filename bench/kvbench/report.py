@@ -134,7 +134,7 @@ def targets(workload: str, rows: Sequence[Row], saturation: float) -> str:
     kv = next((r for r in at if r.router == "kvflow default"), None)
     if kv is None:
         return f"targets ({workload}): no kvflow default run at {saturation:g} req/s"
-    out = [f"targets ({workload}, {saturation:g} req/s, where round-robin saturates):"]
+    out = [f"issue 10 targets ({workload}, at {saturation:g} req/s):"]
     ref = next((r for r in at if r.router == REFERENCE), None)
     if ref:
         m, p = kv.ttft_mean_ms / ref.ttft_mean_ms, kv.ttft_p90_ms / ref.ttft_p90_ms

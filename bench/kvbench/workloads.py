@@ -158,13 +158,15 @@ class Workload:
     prefill_pods: int = 0
     num_blocks: int = 2400
     """KV blocks per pod (16 tokens each): small enough that no pod holds every prefix."""
+    params: tuple[tuple[str, object], ...] = ()
+    """The shape's keyword arguments where they differ from its defaults (sizes, counts)."""
 
     @property
     def pd(self) -> bool:
         return self.prefill_pods > 0
 
     def trace(self, rate: float, duration: float, seed: int = 0) -> Trace:
-        return SHAPES[self.shape](rate, duration, seed)
+        return SHAPES[self.shape](rate, duration, seed, **dict(self.params))
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -176,6 +178,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload("d", "shared-prefix", decode_pods=2, prefill_pods=2),
     )
 }
+def describe(workload: Workload) -> str:
+    return DESCRIPTIONS.get(workload.name, f"{workload.shape} {dict(workload.params)}")
+
+
 DESCRIPTIONS = {
     "a": "llm-d shared prefix (16 groups x 5 prompts, 6000+1200 tokens)",
     "b": "skewed multi-tenant (48 Zipf tenants, 2000-7000 + 300-1000 tokens)",
