@@ -16,6 +16,11 @@ REFERENCE = "sglang cache_aware"
 ORACLE = "oracle (replay)"
 BOUND = "bound"
 REPLAY_RR = "round-robin (replay)"
+REPLAY_STYLES: dict[str, dict[str, object]] = {
+    ORACLE: {"linestyle": "--", "color": "black"},
+    BOUND: {"linestyle": ":", "color": "black"},
+    REPLAY_RR: {"linestyle": "--", "color": "grey"},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +170,9 @@ def plot(rows: Sequence[Row], title: str, path: Path) -> None:
     for ax, attr, label in ((axes[0], "ttft_mean_ms", "TTFT mean (ms)"), (axes[1], "ttft_p90_ms", "TTFT p90 (ms)")):
         for name in routers:
             pts = sorted((r.rate, getattr(r, attr)) for r in rows if r.router == name)
-            style = "--" if name in (ORACLE, BOUND, REPLAY_RR) else "-"
-            width = 2.5 if name == "kvflow default" else 1.5
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", linewidth=width, label=name)
+            style = {"linestyle": "-", "linewidth": 2.5 if name == "kvflow default" else 1.5}
+            style |= REPLAY_STYLES.get(name, {})
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, **style)
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_ylabel(label)
         ax.set_yscale("log")
