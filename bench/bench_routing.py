@@ -64,7 +64,8 @@ def print_outcome(outcome: Outcome) -> None:
     print(report.table(outcome.rows))
     print()
     print(report.calibration(outcome.rows))
-    print(report.targets(w.name, outcome.rows, saturation_row_rate(outcome)))
+    print(report.targets(w.name, outcome.rows, saturation_row_rate(outcome),
+                         uniform_shared_prefix=w.shape == "shared-prefix" and not w.pd))
     for skipped in outcome.skipped:
         print(f"skipped {skipped}")
 

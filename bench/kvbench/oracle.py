@@ -217,28 +217,44 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
 
 
 def lower_bound(trace: Trace, profile: Profile, prepared: Sequence[Prepared] | None = None) -> tuple[float, ...]:
-    """Per request: its TTFT can be no lower than this on the simulator, whatever the router."""
+    """Per request: its TTFT can be no lower than this on the simulator, whatever the router.
+
+    A prompt block can be a hit only if some request that may be sent before this one holds
+    it. An open-loop request is sent at its ``at``, so only requests that can be sent by then
+    count (a follow-up turn is sent no earlier than its chain's think times add up to). A
+    follow-up turn may be sent arbitrarily late, so every request counts for it except itself
+    and its own later turns.
+    """
     prepared = list(prepared) if prepared is not None else prepare(trace)
     bs, budget = HASH.block_size, profile.max_num_batched_tokens
-    order = sorted(range(len(prepared)), key=lambda i: _earliest_send(trace, prepared, i))
-    seen: set[BlockHash] = set()
-    bounds = [0.0] * len(prepared)
-    for i in order:
-        p = prepared[i]
+    earliest = [_earliest_send(prepared, i) for i in range(len(prepared))]
+    later_turns = _later_turns(trace)
+    first_two: dict[BlockHash, list[tuple[float, int]]] = {}  # the two earliest holders of a block
+    holders: dict[BlockHash, int] = {}
+    for i, p in enumerate(prepared):
+        answer_ids = _tokenizer().encode(p.request.answer, add_special_tokens=False) if p.request.answer else []
+        for h in set(BlockHasher(HASH, None, None).update([*p.token_ids, *answer_ids])):
+            holders[h] = holders.get(h, 0) + 1
+            first_two[h] = sorted([*first_two.get(h, []), (earliest[i], i)])[:2]
+
+    def held_before(i: int, h: BlockHash) -> bool:
+        if prepared[i].request.after is not None:  # all but itself and its later turns (which hold h)
+            return holders.get(h, 0) > 1 + later_turns[i]
+        return any(j != i and t <= earliest[i] for t, j in first_two.get(h, []))
+
+    bounds = []
+    for i, p in enumerate(prepared):
         max_blocks = (len(p.token_ids) - 1) // bs
         hit = 0
-        while hit < max_blocks and p.hashes[hit] in seen:
+        while hit < max_blocks and held_before(i, p.hashes[hit]):
             hit += 1
         uncached = len(p.token_ids) - hit * bs
         steps = max(1, math.ceil(uncached / budget))
-        bounds[i] = steps * profile.step_base_s + uncached * profile.prefill_per_token_s
-        seen.update(p.hashes)
-        answer_ids = _tokenizer().encode(p.request.answer, add_special_tokens=False) if p.request.answer else []
-        seen.update(BlockHasher(HASH, None, None).update([*p.token_ids, *answer_ids]))
+        bounds.append(steps * profile.step_base_s + uncached * profile.prefill_per_token_s)
     return tuple(bounds)
 
 
-def _earliest_send(trace: Trace, prepared: Sequence[Prepared], i: int) -> float:
+def _earliest_send(prepared: Sequence[Prepared], i: int) -> float:
     """A follow-up turn is sent no earlier than the sum of the think times before it."""
     t, r = 0.0, prepared[i].request
     while True:
@@ -246,6 +262,18 @@ def _earliest_send(trace: Trace, prepared: Sequence[Prepared], i: int) -> float:
         if r.after is None:
             return t
         r = prepared[r.after].request
+
+
+def _later_turns(trace: Trace) -> list[int]:
+    """Per request, how many turns of its session follow it (each carries its whole prompt)."""
+    children = trace.children()
+    counts = []
+    for r in trace.requests:
+        n, i = 0, r.index
+        while i in children:
+            i, n = children[i], n + 1
+        counts.append(n)
+    return counts
 
 
 def saturation_rate(make_trace: Callable[[float, float], Trace], duration: float, *, pods: int, profile: Profile,

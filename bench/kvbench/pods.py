@@ -105,9 +105,10 @@ async def wait_idle(session: aiohttp.ClientSession, pods: Sequence[Pod], timeout
     return False
 
 
-async def reset(session: aiohttp.ClientSession, pods: Sequence[Pod], attempts: int = 50) -> None:
+async def reset(session: aiohttp.ClientSession, pods: Sequence[Pod], attempts: int = 200) -> None:
     """``POST /reset_prefix_cache`` on every pod; vLLM refuses while blocks are in use (a P/D
-    prefill pod keeps an exported request's blocks until the decode side pulls them)."""
+    prefill pod keeps an exported request's blocks until the decode side pulls them, or for
+    the 30 s lease when it never does)."""
     for pod in pods:
         for _ in range(attempts):
             async with session.post(f"{pod.url}/reset_prefix_cache") as resp:

@@ -111,7 +111,8 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str, pid: i
         run = await loadgen.run(url, trace, model=podlib.MODEL)
         router_cpu = (proc_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
         load_avg = os.getloadavg()[0]
-        await podlib.wait_idle(session, fleet)
+        if not await podlib.wait_idle(session, fleet):
+            log(opts, f"  warning: pods still busy 60 s after {spec.name}'s run; its counters may miss requests")
         await asyncio.sleep(0.3)  # counters of the last finished requests
         after = await podlib.counters(session, fleet)
     decode = [i for i, p in enumerate(fleet) if p.role != "prefill"]

@@ -83,7 +83,7 @@ def shared_prefix(rate: float, duration: float, seed: int = 0, *, groups: int = 
     rng = random.Random(f"shared-prefix/{seed}")
     systems = [_words(rng, system_len) for _ in range(groups)]
     questions = [[_words(rng, question_len) for _ in range(per_group)] for _ in range(groups)]
-    arrivals = random.Random(f"shared-prefix/{seed}/{rate}")
+    arrivals = random.Random(f"shared-prefix/{seed}/{rate:g}")
     requests = []
     for i, at in enumerate(_poisson(arrivals, rate, duration)):
         g, q = arrivals.randrange(groups), arrivals.randrange(per_group)
@@ -98,7 +98,7 @@ def zipf_tenants(rate: float, duration: float, seed: int = 0, *, tenants: int = 
     rng = random.Random(f"zipf-tenants/{seed}")
     systems = [_words(rng, rng.randint(*system_len)) for _ in range(tenants)]
     weights = [1 / (k + 1) ** s for k in range(tenants)]
-    arrivals = random.Random(f"zipf-tenants/{seed}/{rate}")
+    arrivals = random.Random(f"zipf-tenants/{seed}/{rate:g}")
     requests = []
     for i, at in enumerate(_poisson(arrivals, rate, duration)):
         t = arrivals.choices(range(tenants), weights)[0]
@@ -112,7 +112,7 @@ def multi_turn(rate: float, duration: float, seed: int = 0, *, turns: int = 5, s
                think_s: float = 1.0) -> Trace:
     rng = random.Random(f"multi-turn/{seed}")
     prompts = [_words(rng, system_len) for _ in range(systems)]
-    arrivals = random.Random(f"multi-turn/{seed}/{rate}")
+    arrivals = random.Random(f"multi-turn/{seed}/{rate:g}")
     requests: list[TraceRequest] = []
     for s, start in enumerate(_poisson(arrivals, rate / turns, duration)):
         history = prompts[arrivals.randrange(systems)]
