@@ -103,8 +103,16 @@ class ConfigSpec(_Strict):
     block_size: int = Field(default=16, alias="blockSize", gt=0)
     hash_seed: str = Field(default="0", alias="hashSeed")
     hash_algo: Literal["sha256", "sha256_cbor"] = Field(default="sha256", alias="hashAlgo")
-    scrape_interval: float = Field(default=0.05, alias="scrapeIntervalSeconds", gt=0)
+    scrape_interval: float = Field(default=0.5, alias="scrapeIntervalSeconds", gt=0)
+    """Seconds between scrapes of a pod with load (the router's own accounting fills the gaps)."""
+    scrape_idle_interval: float = Field(default=2.0, alias="scrapeIdleIntervalSeconds", gt=0)
+    """Seconds between scrapes of an idle pod."""
     stale_after: float = Field(default=1.0, alias="staleAfterSeconds", gt=0)
+    """A pod that does not answer a scrape within this long drops out until one succeeds."""
+    step_tokens: int = Field(default=256, alias="stepTokens", ge=0)
+    """An engine step's fixed cost, in prompt tokens of prefill work (the TTFT estimate's unit)."""
+    prefill_rate: float = Field(default=20_000.0, alias="prefillTokensPerSecond", gt=0)
+    """A pod's prefill speed until its first tokens are observed (its queue drains at this rate)."""
     approx_capacity: int = Field(default=8192, alias="approxCapacityBlocks", gt=0)
     seed: int = 0
     lora_paths: dict[str, str] = Field(default_factory=dict, alias="loraPaths")
@@ -134,6 +142,7 @@ BUILTIN_PLUGINS: tuple[PluginSpec, ...] = tuple(
         ("active-requests", "active-request-scorer"),
         ("lora-affinity", "lora-affinity-scorer"),
         ("session-affinity", "session-affinity-scorer"),
+        ("ttft", "ttft-scorer"),
         ("max-score", "max-score-picker"),
         ("weighted-random", "weighted-random-picker"),
         ("round-robin", "round-robin-picker"),
@@ -161,9 +170,8 @@ BUILTIN_PROFILES: tuple[ProfileSpec, ...] = (
         "default",
         [
             *_GUARDED,
-            ("prefix-precise", 2),
+            ("ttft", 4),
             ("kv-cache", 1),
-            ("queue", 1),
             ("lora-affinity", 1),
             ("session-affinity", 1),
             "max-score",
@@ -177,8 +185,11 @@ class RouterConfig:
     block_size: int = 16
     hash_seed: str = "0"
     hash_algo: str = "sha256"
-    scrape_interval: float = 0.05
+    scrape_interval: float = 0.5
+    scrape_idle_interval: float = 2.0
     stale_after: float = 1.0
+    step_tokens: int = 256
+    prefill_rate: float = 20_000.0
     approx_capacity: int = 8192
     seed: int = 0
     lora_paths: Mapping[str, str] = field(default_factory=dict)
@@ -227,7 +238,10 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None) -> RouterC
         hash_seed=spec.hash_seed,
         hash_algo=spec.hash_algo,
         scrape_interval=spec.scrape_interval,
+        scrape_idle_interval=spec.scrape_idle_interval,
         stale_after=spec.stale_after,
+        step_tokens=spec.step_tokens,
+        prefill_rate=spec.prefill_rate,
         approx_capacity=spec.approx_capacity,
         seed=spec.seed,
         lora_paths=dict(spec.lora_paths),
