@@ -16,15 +16,15 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, from_exception
 from kvflow.gateway.accesslog import AccessLog
 from kvflow.gateway.auth import ApiKey, Authenticator
+from kvflow.gateway.body import client_kv_params, parse_json
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.flow import Rate, RateLimiter
-from kvflow.gateway.httpserver import Request, Responder
+from kvflow.gateway.httpserver import HttpServer, Request, Responder
 from kvflow.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvflow.gateway.pd import decode_body, encode, prefill
 from kvflow.gateway.pools import Pool, PoolRouter, build_pool, build_router
@@ -34,6 +34,7 @@ from kvflow.gateway.proxy import (
 from kvflow.gateway.validation import validate
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.endpoints import Endpoint
+from kvflow.routing_headers import PRIORITY, strip_client_routing
 
 log = logging.getLogger("kvflow.gateway")
 access_log = logging.getLogger("kvflow.gateway.access")
@@ -49,20 +50,6 @@ class RouteError(KvflowError):
         super().__init__(message)
         self.status = status  # type: ignore[misc]
         self.type = "NotFoundError" if status == 404 else "MethodNotAllowedError"  # type: ignore[misc]
-
-
-_decoder = msgspec.json.Decoder()
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (msgspec: ~9x json.loads on this path), or a 400 saying why not."""
-    try:
-        body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return body
 
 
 class Gateway:
@@ -93,7 +80,11 @@ class Gateway:
         self._idle = config.timeouts.idle
         self._priority_header = config.flow.priority_header.lower()
         self._forward_auth = not auth.enabled  # pods behind an open gateway may want the client's key
+        self._allowed_headers = frozenset(config.allow_client_headers)
+        self._max_depth = config.http.max_json_depth
         self.access = AccessLog(access_log) if config.access_log else None
+        self.http: HttpServer | None = None
+        """The server in front of this gateway, once listening (its refusals are in /metrics)."""
 
     def close(self) -> None:
         """Write out what the access log still holds."""
@@ -173,6 +164,8 @@ class Gateway:
             pool.metrics.inflight.set(pool.gate.queue.inflight)
             pool.metrics.queued.set(pool.gate.queue.waiting)
         routers = [getattr(getattr(p.router, "metrics", None), "registry", None) for p in self.pools.values()]
+        if self.http is not None:
+            self.metrics.http_refusals = self.http.counts
         body = self.metrics.render(r for r in routers if isinstance(r, CollectorRegistry))
         out.send(200, body, [("Content-Type", CONTENT_TYPE)])
 
@@ -181,23 +174,30 @@ class Gateway:
     async def _generate(self, request: Request, out: Responder, ex: Exchange, kind: str) -> None:
         key = self.auth.check(request.headers.get("authorization"))
         ex.key = key.name
-        body = parse_json(request.body)
+        allowed = self._allowed_headers | key.allow_headers if key.allow_headers else self._allowed_headers
+        strip_client_routing(request.headers, allowed)  # the router reads what is left
+        body = parse_json(request.body, self._max_depth)
         validate(kind, body)
+        if client_kv_params(body, self.config.client_kv_transfer_params):
+            request.body = encode(body)  # forwarded without them
         found = self.names.get(body["model"])
         if found is None:
             raise ModelNotFoundError(body["model"])
         pool, lora = found
         ex.model = pool.model
         self.limiter.check(key.name)
-        await pool.gate.acquire(self._priority(request, key))
+        client = key.name if self.auth.enabled else request.peer  # fairness between clients
+        await pool.gate.acquire(self._priority(request, key, allowed), client)
         try:
             await self._serve(request, out, ex, pool, body, lora)
         finally:
-            pool.gate.release()
+            pool.gate.release(client)
 
-    def _priority(self, request: Request, key: ApiKey) -> int:
+    def _priority(self, request: Request, key: ApiKey, allowed: frozenset[str]) -> int:
         if key.priority is not None:
             return key.priority
+        if PRIORITY not in allowed:  # choosing one's own priority is off unless configured
+            return 0
         text = request.headers.get(self._priority_header)
         if text is None:
             return 0

@@ -57,5 +57,5 @@ def build_router(config: PoolConfig) -> PoolRouter:
 
 
 def build_pool(model: str, router: PoolRouter, flow: FlowConfig, metrics: GatewayMetrics) -> Pool:
-    gate = Gate(flow.max_inflight, flow.max_queue, flow.queue_timeout)
+    gate = Gate(flow.max_inflight, flow.max_queue, flow.queue_timeout, flow.max_inflight_per_client)
     return Pool(model, router, gate, metrics.model(model))
