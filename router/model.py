@@ -30,6 +30,10 @@ class SchedulingRequest:
     lora: str | None = None
     cache_salt: str | None = None
     """vLLM's ``cache_salt`` request field: it keys the first block's hash."""
+    mm_hashes: tuple[str, ...] = ()
+    """Digests of the request's images/audio/video (``kvflow.router.request.multimodal_hashes``)."""
+    profile: str | None = None
+    """The scheduling profile the request asked for (an allowed ``x-kvflow-profile``), else the router's."""
 
 
 @dataclass(frozen=True, slots=True)

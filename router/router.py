@@ -14,9 +14,9 @@ from time import monotonic, perf_counter
 from typing import Any
 from zlib import crc32
 
-from kvflow.errors import KvflowError, NoCapacityError, RateLimitError
+from kvflow.errors import InvalidRequestError, KvflowError, RateLimitError
 from kvflow.hashing import block_extra_keys
-from kvflow.router.config import RouterConfig
+from kvflow.router.config import DEFAULT_MAX_PROMPT_TOKENS, RouterConfig
 from kvflow.router.datastore import Datastore
 from kvflow.router.flight import Flight
 from kvflow.router.framework import Cycle, Profile, StartedHook
@@ -26,6 +26,7 @@ from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResu
 from kvflow.router.observability import DecisionLog, RouterMetrics
 from kvflow.router.pd import PdPolicy, decide
 from kvflow.router.plugins import PluginContext, build
+from kvflow.router.request import PoolNames
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
 from kvflow.router.scraper import Scraper
 from kvflow.tokenizer import Tokenizer, load_tokenizer, prompt_token_ids
@@ -33,6 +34,8 @@ from kvflow.endpoints import Endpoint, EndpointId
 
 PROFILE_HEADER = "x-kvflow-profile"
 """A request may name another configured profile (benchmarks, A/B tests)."""
+PREHASH_TOKENS = 32_768
+"""Prompts at least this long are hashed off the event loop (``Router.prepare``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,8 @@ class Router:
         self._flights: dict[str, Flight] = {}
         """Requests begun with ``request_started`` (no attempts), until ``request_finished``."""
         self._clock = clock
+        self.max_prompt_tokens: int = config.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
+        """Longest prompt accepted (a 400 beyond): the config's, else the pods' context length once known."""
         self._scraper: Scraper | None = None
         self._kv: KvEventSubscriber | None = None
         self._watcher: Any = None
@@ -165,17 +170,35 @@ class Router:
     def endpoints(self) -> Sequence[Endpoint]:
         return self.datastore.endpoints
 
+    @property
+    def names(self) -> PoolNames:
+        """The model and LoRA adapters this pool serves, as ``scheduling_request`` resolves them."""
+        return PoolNames(self.config.model or "", self.config.loras)
+
     # -- the data path ---------------------------------------------------------------------
 
     def tokenize(self, body: Mapping[str, Any]) -> list[int]:
         return prompt_token_ids(self.tokenizer, body)
 
+    async def prepare(self, request: SchedulingRequest) -> None:
+        """Hash a long prompt in a worker thread, so ``schedule`` finds its hashes memoised and
+        the event loop is never held for long by one request (the thread yields the GIL to it)."""
+        if len(request.token_ids) < PREHASH_TOKENS:
+            return
+        name = request.profile or request.headers.get(PROFILE_HEADER) or self.profile
+        profile = self.profiles.get(name)
+        if profile is not None and (profile.reads_prefixes or self.policy.enabled):
+            await asyncio.to_thread(self._hashes(request).all)
+
     def schedule(self, request: SchedulingRequest) -> SchedulingResult:
         started = perf_counter()
-        name = request.headers.get(PROFILE_HEADER) or self.profile
+        name = request.profile or request.headers.get(PROFILE_HEADER) or self.profile
         profile = self.profiles.get(name)
         if profile is None:
-            raise NoCapacityError(f"unknown scheduling profile {name!r}")
+            raise InvalidRequestError(
+                f"unknown scheduling profile {name!r} (profiles: {', '.join(sorted(self.profiles))})",
+                param=PROFILE_HEADER,
+            )
         prefill_profile = self.profiles.get(self.config.pd_prefill_profile or name, profile)
         cycle = self._cycle(request)
         self.speculative.expire(self._clock())
@@ -188,7 +211,7 @@ class Router:
             seconds = perf_counter() - started
             kind = "shed" if isinstance(exc, RateLimitError) else "no_capacity"
             self.metrics.failed(name, kind, seconds)
-            self.log.add(request, None, seconds, error=f"{kind}: {exc.message}")
+            self.log.add(request, None, seconds, error=f"{kind}: {exc.message}", hashes=cycle.hashes)
             raise
         # Only a decision that read the prompt's prefix teaches the indexes where it went.
         self._pending[request.request_id] = _Decided(
@@ -198,7 +221,7 @@ class Router:
             self._pending.popitem(last=False)
         seconds = perf_counter() - started
         self.metrics.decided(decision, seconds, len(request.token_ids))
-        self.log.add(request, decision, seconds)
+        self.log.add(request, decision, seconds, hashes=cycle.hashes)
         return decision.result
 
     def explain(self, n: int = 10) -> list[dict[str, Any]]:
@@ -263,12 +286,15 @@ class Router:
     def _hashes(self, request: SchedulingRequest) -> RequestHashes:
         """The request's block hashes, lazily: nothing is hashed until a plugin walks them."""
         lora = request.lora
-        if lora is None and not request.cache_salt:
+        if lora is None and not request.cache_salt and not request.mm_hashes:
             return self.hash_cache.for_request(request.token_ids)
         # vLLM keys LoRA blocks on the adapter's name *and* path (docs/vllm-protocols.md).
         adapter = (lora, self.config.lora_paths.get(lora, lora)) if lora else None
         every = block_extra_keys(1, lora=adapter)
         first = block_extra_keys(0, lora=adapter, cache_salt=request.cache_salt)
+        if request.mm_hashes:  # not vLLM's keys (it hashes processed items): only tells prompts apart
+            media = tuple(("mm", h) for h in request.mm_hashes)
+            every, first = (*(every or ()), *media), (*(first or ()), *media)
         return self.hash_cache.for_request(request.token_ids, every, first)
 
     def _cycle(self, request: SchedulingRequest) -> Cycle:
