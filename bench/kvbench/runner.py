@@ -23,6 +23,7 @@ from kvflow.procs import ProcessGroup, StartupError, free_port
 from kvflow.sim.profiles import get_profile
 
 from kvbench import loadgen, oracle, pods as podlib, report, routers
+from kvbench.replay_kvflow import KvflowReplay
 from kvbench.workloads import Trace, Workload, describe
 
 SIM_PROFILE = "h100-llama8b"
@@ -76,9 +77,14 @@ def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
     rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared))]
     if workload.pd:  # the replay models aggregated pods only
         return rows
-    for policy, name in ((oracle.RoundRobin(), report.REPLAY_RR), (oracle.Clairvoyant(), report.ORACLE)):
-        res = oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile,
-                            num_blocks=workload.num_blocks, prepared=prepared)
+    best, _ = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile,
+                                   num_blocks=workload.num_blocks, prepared=prepared)
+    results = [(report.ORACLE, best)]
+    for policy, name in ((oracle.RoundRobin(), report.REPLAY_RR),
+                         (KvflowReplay(workload.decode_pods, workload.num_blocks), report.REPLAY_KVFLOW)):
+        results.append((name, oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile,
+                                            num_blocks=workload.num_blocks, prepared=prepared)))
+    for name, res in results:
         rows.append(report.replay_row(workload.name, name, trace.rate, res.ttft, hit_rate=res.hit_rate,
                                       requests_per_pod=res.requests_per_pod))
     return rows
