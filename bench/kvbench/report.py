@@ -45,6 +45,8 @@ class Row:
     client_lag_ms: float = math.nan
     load_avg: float = math.nan
     answer_mismatches: int = 0
+    pulled_tokens: int = 0
+    """Prompt tokens P/D decode pods received over KV transfer (0: no disaggregation happened)."""
     measured: bool = True
 
     @property
@@ -77,6 +79,7 @@ def measured_row(workload: str, router: str, rate: float, run: Run, before: Sequ
         statistics.mean(itls) if itls else math.nan, sum(r.tokens for r in done) / span if span > 0 else math.nan,
         hits / queries if queries else math.nan, per_pod, router_cpu, run.cpu_share, run.max_lag * 1e3, load_avg,
         sum(not r.answer_matches for r in done),
+        int(sum(a.external_hits - b.external_hits for a, b in zip(after, before, strict=True))),
     )
 
 
@@ -100,8 +103,9 @@ def table(rows: Sequence[Row]) -> str:
     cache_aware and to the oracle at the same rate."""
     lines = [
         "| rate (req/s) | router | TTFT mean (ms) | TTFT p90 (ms) | vs sglang ca | vs oracle | ITL (ms) | tok/s | "
-        "errors | hit rate | balance (max/mean) | req/pod | router CPU | client CPU | client lag (ms) | load avg |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "errors | hit rate | balance (max/mean) | req/pod | KV pulled (tok) | router CPU | client CPU | "
+        "client lag (ms) | load avg |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for rate in sorted({r.rate for r in rows}):
         at = [r for r in rows if r.rate == rate]
@@ -114,6 +118,7 @@ def table(rows: Sequence[Row]) -> str:
                 f"{_ratio(r.ttft_mean_ms, oracle.ttft_mean_ms) if oracle else '–'} | {_f(r.itl_ms, '.2f')} | "
                 f"{_f(r.tokens_per_s, '.0f')} | {r.errors if r.measured or r.errors else '–'} | "
                 f"{_f(r.hit_rate, '.2f')} | {_f(r.balance, '.2f')} | {'/'.join(map(str, r.requests_per_pod))} | "
+                f"{r.pulled_tokens if r.measured else '–'} | "
                 f"{_f(r.router_cpu * 100, '.0f') + '%' if not math.isnan(r.router_cpu) else '–'} | "
                 f"{_f(r.client_cpu * 100, '.0f') + '%' if not math.isnan(r.client_cpu) else '–'} | "
                 f"{_f(r.client_lag_ms, '.1f')} | {_f(r.load_avg, '.2f')} |"
