@@ -131,6 +131,15 @@ class ApproxPrefixIndex:
     def clear(self, endpoint: EndpointId) -> None:
         self._table.clear(endpoint)
 
+    def discard(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+        """Forget these blocks on ``endpoint`` (a request sent there failed: it computed nothing)."""
+        lru = self._lru.get(endpoint)
+        if lru is None:
+            return
+        for h in hashes:
+            if lru.pop(h, 0) is None:
+                self._drop_holder(h, endpoint)
+
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         return self._table.match(chain)
 
@@ -161,6 +170,10 @@ class SpeculativeIndex:
 
     def clear(self, endpoint: EndpointId) -> None:
         self.index.clear(endpoint)
+
+    def discard(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+        """Forget these blocks on ``endpoint`` before they expire (the request sent there failed)."""
+        self.index.remove(endpoint, hashes)
 
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         return self.index.match(chain)
