@@ -55,9 +55,6 @@ DEFAULT_ALGO: HashAlgo = "sha256"
 
 HashFn = Callable[[Any], bytes]
 
-EXTERNAL_MAX = (1 << 64) - 1
-"""External int hashes are unsigned 64-bit (the last 8 bytes of the digest)."""
-
 _sha256 = hashlib.sha256
 _pickle_dumps = pickle.dumps
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -231,19 +228,3 @@ router converts every block it hashes, and a Python-level call costs twice the c
 def to_external(block_hash: BlockHash, *, as_int: bool = True) -> ExternalBlockHash:
     """The form vLLM publishes in KV events: ``external_int`` by default, else the raw bytes."""
     return external_int(block_hash) if as_int else bytes(block_hash)
-
-
-def external_from_event(value: Any) -> int:
-    """A hash as a KV event carries it, in the int form ``to_external`` gives.
-
-    An int must be an unsigned 64-bit value; bytes are a digest (the last 8 bytes count, as
-    ``to_external`` takes them). Anything else — a float, a negative or oversized int, a bool,
-    empty bytes — is a ValueError naming the value, so a bad batch is refused, not half-applied.
-    """
-    if isinstance(value, (bytes, bytearray)):
-        if not value:
-            raise ValueError("empty block hash")
-        return external_int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= EXTERNAL_MAX:
-        return value
-    raise ValueError(f"block hash {value!r:.40} is not an unsigned 64-bit int or a digest")

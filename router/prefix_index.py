@@ -133,12 +133,7 @@ class ApproxPrefixIndex:
 
     def discard(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
         """Forget these blocks on ``endpoint`` (a request sent there failed: it computed nothing)."""
-        lru = self._lru.get(endpoint)
-        if lru is None:
-            return
-        for h in hashes:
-            if lru.pop(h, 0) is None:
-                self._drop_holder(h, endpoint)
+        self._table.remove(endpoint, hashes)
 
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         return self._table.match(chain)
