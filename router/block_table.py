@@ -27,9 +27,10 @@ Freed records and entries are reused; the arrays keep their high-water size.
 from __future__ import annotations
 
 import secrets
+import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -42,6 +43,19 @@ _FREE = 0xFFFF  # the owner of a free entry
 _MAX_LOAD = 0.5
 _MIN_SLOTS = 1 << 10
 _LOG_SLACK = 1024  # stale log places an endpoint may keep beyond half its entries
+
+
+@runtime_checkable
+class LazyChain(Protocol):
+    """A hash chain computed on demand (``router.hashcache.RequestHashes``)."""
+
+    def known(self) -> list[int]:
+        """The hashes computed so far, a prefix of the chain, without computing more."""
+        ...
+
+    def iter_from(self, i: int) -> Iterator[int]:
+        """The chain from block ``i`` on, computed as it is read."""
+        ...
 
 
 def checked_hashes(hashes: Iterable[Any]) -> list[int]:
@@ -107,6 +121,11 @@ class BlockTable:
         """(block, endpoint) entries in all."""
         return sum(self._counts)
 
+    def nbytes(self) -> int:
+        """Bytes the arrays hold, over-allocation included (not the few Python objects per endpoint)."""
+        arrays = (self._slots, self._key, self._mix, self._first, self._owner, self._block, self._next, self._stamp)
+        return sum(sys.getsizeof(a) for a in (*arrays, *self._logs))
+
     def capacity_of(self, endpoint: EndpointId) -> int | None:
         return self._capacity.get(endpoint, self.default_capacity)
 
@@ -130,43 +149,76 @@ class BlockTable:
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         """Leading blocks of ``chain`` each endpoint holds (endpoints holding none are absent).
 
-        ``prefix_index.longest_prefixes``'s walk over this table: ``chain`` may compute hashes
-        lazily, and is not advanced past the first block nobody holds. A block whose holder
-        mix equals the previous block's has the same holders, so the common case (the same
-        endpoints hold block after block) costs one probe and one compare a block.
+        ``prefix_index.longest_prefixes``'s walk over this table. Hashes already computed — a
+        list, or what a ``LazyChain`` knows — are looked up all at once with numpy; the rest
+        one at a time as the chain yields them, and the chain is not advanced past the first
+        block nobody holds. A block whose holder mix equals the previous block's has the same
+        holders, so the common case (the same endpoints hold block after block) costs one
+        probe and one compare a block.
         """
-        slots, key, mix, mul, shift, mask = self._slots, self._key, self._mix, self._mul, self._shift, self._mask
-        it = iter(chain)
-        first = next(it, None)
-        r = _NONE if first is None else self._find(first)
-        if r < 0:
-            return {}
-        alive = self._holders(r)
-        last_mix = mix[r]
         matched: dict[int, int] = {}
-        i = 1
+        known = chain if isinstance(chain, list) else chain.known() if isinstance(chain, LazyChain) else []
+        alive, i, last_mix = self._walk_known(known, matched)
+        if alive is None or alive:
+            rest = iter(chain) if not known else chain.iter_from(i) if isinstance(chain, LazyChain) else None
+            if rest is not None and (i == len(known) or not known):
+                alive, i = self._walk_lazy(rest, i, alive, last_mix, matched)
+        for p in alive or ():
+            matched[p] = i
+        ids = self._ids
+        return {ids[p]: n for p, n in matched.items()}  # type: ignore[misc]
+
+    def _walk_known(self, known: list[int], matched: dict[int, int]) -> tuple[set[int] | None, int, int]:
+        """The walk over computed hashes: (endpoints still matching or None if none walked,
+        blocks walked, the last block's holder mix)."""
+        if not known:
+            return None, 0, 0
+        if self._find(known[0]) < 0:  # nobody holds the first block: no need to look further
+            return set(), 0, 0
+        records = self._find_many(np.array(known, dtype=np.uint64))
+        missing = np.flatnonzero(records < 0)
+        stop = int(missing[0]) if missing.size else len(known)
+        if stop == 0:
+            return set(), 0, 0
+        mixes = np.frombuffer(self._mix, np.uint64)[records[:stop]]
+        alive: set[int] | None = None
+        for i in [0, *(np.flatnonzero(mixes[1:] != mixes[:-1]) + 1).tolist()]:
+            alive = self._narrow(alive, int(records[i]), i, matched)
+            if not alive:
+                return alive, i, 0
+        return alive, stop, int(mixes[stop - 1])
+
+    def _walk_lazy(
+        self, it: Iterator[int], i: int, alive: set[int] | None, last_mix: int, matched: dict[int, int]
+    ) -> tuple[set[int], int]:
+        """The walk over hashes computed as it goes: one probe per block, inlined."""
+        slots, key, mix, mul, shift, mask = self._slots, self._key, self._mix, self._mul, self._shift, self._mask
         for h in it:
-            s = (h * mul >> shift) & mask  # _find inlined: this loop runs once per block
+            s = (h * mul >> shift) & mask
             r = slots[s]
             while r >= 0 and key[r] != h:
                 s = (s + 1) & mask
                 r = slots[s]
             if r < 0:
                 break
-            if mix[r] != last_mix:
+            if alive is None or mix[r] != last_mix:
                 last_mix = mix[r]
-                holders = self._holders(r)
-                if not alive <= holders:
-                    for p in alive - holders:
-                        matched[p] = i
-                    alive &= holders
-                    if not alive:
-                        break
+                alive = self._narrow(alive, r, i, matched)
+                if not alive:
+                    break
             i += 1
-        for p in alive:
-            matched[p] = i
-        ids = self._ids
-        return {ids[p]: n for p, n in matched.items()}  # type: ignore[misc]
+        return alive or set(), i
+
+    def _narrow(self, alive: set[int] | None, r: int, i: int, matched: dict[int, int]) -> set[int]:
+        """Block ``i`` (record ``r``) has other holders than the block before: who still matches."""
+        holders = self._holders(r)
+        if alive is None:
+            return holders
+        if not alive <= holders:
+            for p in alive - holders:
+                matched[p] = i
+            alive &= holders
+        return alive
 
     # -- updates ---------------------------------------------------------------------------
 
@@ -279,6 +331,26 @@ class BlockTable:
             s = (s + 1) & mask
             r = slots[s]
         return r
+
+    def _find_many(self, hashes: np.ndarray) -> np.ndarray:
+        """``_find`` for many hashes at once: a few probe steps in numpy, the rare long probe
+        runs one by one."""
+        slots, keys = np.frombuffer(self._slots, np.int32), np.frombuffer(self._key, np.uint64)
+        records = np.full(len(hashes), _NONE, np.int32)
+        todo, want = np.arange(len(hashes)), hashes
+        at = ((hashes * np.uint64(self._mul)) >> np.uint64(self._shift)).astype(np.intp)
+        for _ in range(4):
+            found = slots[at]
+            occupied = found >= 0
+            same = occupied & (keys[found] == want)  # found -1 reads the last key: masked out
+            records[todo[same]] = found[same]
+            on = occupied & ~same
+            if not on.any():
+                return records
+            todo, want, at = todo[on], want[on], (at[on] + 1) & self._mask
+        for j in todo.tolist():
+            records[j] = self._find(int(hashes[j]))
+        return records
 
     def _delete_block(self, r: int) -> None:
         """Take record ``r`` out of the slots and onto the free list. Backward shift: the later

@@ -20,6 +20,7 @@ indexes key on plain ints.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
@@ -120,11 +121,20 @@ class RequestHashes:
         return self.num_blocks
 
     def __iter__(self) -> Iterator[int]:
+        return self.iter_from(0)
+
+    def known(self) -> list[int]:
+        """The hashes computed so far (the memoised ones at least), computing no more."""
         if self._keys is None:
             self._take_memoised()
-        if len(self._hashes) == self.num_blocks:
-            return iter(self._hashes)  # all known: a plain list iterator
-        return self._read()
+        return self._hashes
+
+    def iter_from(self, i: int) -> Iterator[int]:
+        """The chain from block ``i``, hashed as far as it is read."""
+        hashes = self.known()
+        if len(hashes) == self.num_blocks:
+            return iter(hashes[i:] if i else hashes)  # all known: a plain list iterator
+        return self._read(i)
 
     def all(self) -> list[int]:
         """Every block's hash (the prefix indexes learning where a request went)."""
@@ -170,13 +180,14 @@ class RequestHashes:
             values=values,
         )
 
-    def _read(self) -> Iterator[int]:
-        """The chain from its first block: computed ones at list speed, then the shared chain
+    def _read(self, i: int) -> Iterator[int]:
+        """The chain from block ``i``: computed ones at list speed, then the shared chain
         iterator. What was hashed is memoised when the reader stops (a walk stops early)."""
         hashes, digests, chain = self._hashes, self._digests, self._chain
         assert chain is not None
-        yield from hashes  # a list iterator also yields what another reader appends meanwhile
-        i = len(hashes)
+        if i < len(hashes):
+            yield from itertools.islice(hashes, i, None)  # also yields what others append meanwhile
+        i = max(i, len(hashes))
         try:
             for digest in chain:
                 h = unpack_external(digest)[0]

@@ -82,6 +82,9 @@ class PrefixIndex:
     def blocks_of(self, endpoint: EndpointId) -> int:
         return self._table.blocks_of(endpoint)
 
+    def nbytes(self) -> int:
+        return self._table.nbytes()
+
     def set_capacity(self, endpoint: EndpointId, blocks: int) -> None:
         """The pod's real cache size, once its metrics tell it; its oldest beyond it are evicted."""
         self._table.set_capacity(endpoint, blocks)
