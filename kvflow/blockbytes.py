@@ -131,7 +131,8 @@ def _pickle_codes(tokens: tuple[int, ...], values: np.ndarray) -> bytes:
 
 def _pickle_code_bytes(values: np.ndarray) -> np.ndarray:
     """2, 3 or 5, as ``save_long`` picks BININT1/BININT2/BININT (negatives take BININT)."""
-    return 2 + (values > 0xFF).view(np.int8) + 2 * ((values > 0xFFFF) | (values < 0)).view(np.int8)
+    wide = (values > 0xFFFF) | (values < 0)
+    return 2 + ((values > 0xFF) | wide).view(np.int8) + 2 * wide.view(np.int8)
 
 
 def _pickle_head(tail_length: int) -> bytes:

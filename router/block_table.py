@@ -30,7 +30,7 @@ import secrets
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,9 +43,9 @@ _FREE = 0xFFFF  # the owner of a free entry
 _MAX_LOAD = 0.5
 _MIN_SLOTS = 1 << 10
 _LOG_SLACK = 1024  # stale log places an endpoint may keep beyond half its entries
+_VECTOR_MIN = 64  # computed hashes looked up with numpy from this many on
 
 
-@runtime_checkable
 class LazyChain(Protocol):
     """A hash chain computed on demand (``router.hashcache.RequestHashes``)."""
 
@@ -60,7 +60,7 @@ class LazyChain(Protocol):
 
 def checked_hashes(hashes: Iterable[Any]) -> list[int]:
     """The hashes as a list, or a ValueError naming the first that is not an unsigned 64-bit int."""
-    out = list(hashes)
+    out = hashes if type(hashes) is list else list(hashes)
     for h in out:
         if type(h) is not int or not 0 <= h <= UINT64_MAX:
             raise ValueError(f"block hash {h!r:.40} is not an unsigned 64-bit int")
@@ -126,6 +126,16 @@ class BlockTable:
         arrays = (self._slots, self._key, self._mix, self._first, self._owner, self._block, self._next, self._stamp)
         return sum(sys.getsizeof(a) for a in (*arrays, *self._logs))
 
+    def longest_probe(self) -> int:
+        """Slots the longest lookup reads (a health check: short whatever hashes pods send)."""
+        slots = np.frombuffer(self._slots, np.int32)
+        at = np.flatnonzero(slots >= 0)
+        if not at.size:
+            return 0
+        keys = np.frombuffer(self._key, np.uint64)[slots[at]]
+        home = ((keys * np.uint64(self._mul)) >> np.uint64(self._shift)).astype(np.int64)
+        return int(((at - home) & self._mask).max()) + 1
+
     def capacity_of(self, endpoint: EndpointId) -> int | None:
         return self._capacity.get(endpoint, self.default_capacity)
 
@@ -157,12 +167,14 @@ class BlockTable:
         probe and one compare a block.
         """
         matched: dict[int, int] = {}
-        known = chain if isinstance(chain, list) else chain.known() if isinstance(chain, LazyChain) else []
+        lazy: LazyChain | None = chain if hasattr(chain, "iter_from") else None  # type: ignore[assignment]
+        known = chain if isinstance(chain, list) else lazy.known() if lazy is not None else []
+        if len(known) < _VECTOR_MIN:  # numpy's fixed cost exceeds the saving
+            known = []
         alive, i, last_mix = self._walk_known(known, matched)
-        if alive is None or alive:
-            rest = iter(chain) if not known else chain.iter_from(i) if isinstance(chain, LazyChain) else None
-            if rest is not None and (i == len(known) or not known):
-                alive, i = self._walk_lazy(rest, i, alive, last_mix, matched)
+        if (alive is None or alive) and (not known or (lazy is not None and i == len(known))):
+            rest = lazy.iter_from(i) if lazy is not None else iter(chain)
+            alive, i = self._walk_lazy(rest, i, alive, last_mix, matched)
         for p in alive or ():
             matched[p] = i
         ids = self._ids

@@ -148,7 +148,7 @@ def apply(
                 speculative.clear(endpoint)
             continue
         if speculative is not None:
-            speculative.index.remove(endpoint, event.block_hashes)
+            speculative.discard(endpoint, event.block_hashes)
 
 
 Counted = Callable[[EndpointId, str], None]

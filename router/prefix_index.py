@@ -4,8 +4,9 @@ Each answers one question: for a request's hash chain, how many leading blocks d
 endpoint hold? vLLM reuses only a contiguous prefix, so the walk (``longest_prefixes``) goes
 down the chain intersecting holder sets and stops as soon as no endpoint is left — one pass,
 touching only cached blocks, never advancing a lazily hashed chain past the first block
-nobody holds. All three keep their entries in a ``BlockTable`` (``block_table.py``: flat
-arrays, about 50 bytes per (block, endpoint) entry, an age order and a cap per endpoint).
+nobody holds. The two that mirror the pods' caches keep their entries in a ``BlockTable``
+(``block_table.py``: flat arrays, about 50 bytes per (block, endpoint) entry, an age order and
+a cap per endpoint).
 
 * ``PrefixIndex`` is exact bookkeeping, fed by vLLM's KV events (``BlockStored``,
   ``BlockRemoved``, ``AllBlocksCleared``): the precise scorer. An endpoint never holds more
@@ -34,9 +35,9 @@ DEFAULT_CAPACITY = 1 << 20
 def longest_prefixes(holders: Mapping[int, Set[EndpointId]], chain: Iterable[int]) -> dict[EndpointId, int]:
     """Leading blocks of the chain each endpoint holds (endpoints holding none are absent).
 
-    The walk every index answers, over a plain mapping (``BlockTable.match`` runs the same walk
-    over its arrays; tests hold the two to the same answers). ``chain`` may compute hashes
-    lazily: it is not advanced past the first block nobody holds.
+    The walk every index answers, over a plain mapping (the speculative index's; ``BlockTable.match``
+    runs the same walk over its arrays, and tests hold the two to the same answers). ``chain``
+    may compute hashes lazily: it is not advanced past the first block nobody holds.
     """
     matched: dict[EndpointId, int] = {}
     it = iter(chain)
@@ -129,7 +130,9 @@ class ApproxPrefixIndex:
 
         Touched tail-first, as vLLM frees a request's blocks, so a prefix outlives its suffix.
         """
-        self._table.add(endpoint, reversed(list(hashes)))
+        blocks = list(hashes)
+        blocks.reverse()
+        self._table.add(endpoint, blocks)
 
     def clear(self, endpoint: EndpointId) -> None:
         self._table.clear(endpoint)
@@ -143,35 +146,58 @@ class ApproxPrefixIndex:
 
 
 class SpeculativeIndex:
-    """Blocks the router just sent to an endpoint, believed cached there for ``ttl`` seconds."""
+    """Blocks the router just sent to an endpoint, believed cached there for ``ttl`` seconds.
+
+    Its entries live seconds and turn over with every request, so it keeps them in dicts of
+    sets, which add and drop a block faster than a ``BlockTable``; its size is bounded by the
+    blocks routed in ``ttl``, not by the pods' caches.
+    """
 
     def __init__(self, ttl: float = 2.0) -> None:
         self.ttl = ttl
-        self.index = PrefixIndex(default_capacity=None)  # bounded by traffic x ttl
+        self.holders: dict[int, set[EndpointId]] = {}
+        self._blocks: dict[EndpointId, set[int]] = {}
         self._queue: deque[tuple[float, EndpointId, tuple[int, ...]]] = deque()
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.holders)
 
     def add(self, endpoint: EndpointId, hashes: Iterable[int], now: float) -> None:
         if self.ttl <= 0:
             return
         blocks = tuple(hashes)
-        self.index.add(endpoint, blocks)
+        mine = self._blocks.setdefault(endpoint, set())
+        for h in blocks:
+            mine.add(h)
+            self.holders.setdefault(h, set()).add(endpoint)
         self._queue.append((now + self.ttl, endpoint, blocks))
 
     def expire(self, now: float) -> None:
         queue = self._queue
         while queue and queue[0][0] <= now:
             _, endpoint, blocks = queue.popleft()
-            self.index.remove(endpoint, blocks)
-
-    def clear(self, endpoint: EndpointId) -> None:
-        self.index.clear(endpoint)
+            self.discard(endpoint, blocks)
 
     def discard(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
-        """Forget these blocks on ``endpoint`` before they expire (the request sent there failed)."""
-        self.index.remove(endpoint, hashes)
+        """Forget these blocks on ``endpoint`` before they expire (an event spoke of them, or
+        the request sent there failed)."""
+        mine = self._blocks.get(endpoint)
+        if mine is None:
+            return
+        for h in hashes:
+            if h in mine:
+                mine.discard(h)
+                self._drop_holder(h, endpoint)
+
+    def clear(self, endpoint: EndpointId) -> None:
+        for h in self._blocks.pop(endpoint, ()):
+            self._drop_holder(h, endpoint)
 
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
-        return self.index.match(chain)
+        return longest_prefixes(self.holders, chain)
+
+    def _drop_holder(self, h: int, endpoint: EndpointId) -> None:
+        holders = self.holders[h]
+        holders.discard(endpoint)
+        if not holders:
+            del self.holders[h]
