@@ -18,7 +18,8 @@ flight, 256-token prompts from 64 shared prefixes, so hashes are memoised as in 
 
 **Index memory**: bytes per (block, endpoint) entry of the precise index filled as KV events
 fill it, 1.2 M entries from one pod and 1 M over 1,000 pods: the index's own arrays
-(``nbytes``) and the process's RSS growth, beside a dict of sets (the structure the index
+(``nbytes``) and the process's RSS growth (after ``malloc_trim``, so freed heap the allocator
+kept does not count; untrimmed beside it), beside a dict of sets (the structure the index
 replaced) filled the same way, as the peer.
 
 A PNG under ``bench/out/`` plots decision CPU against endpoints and index size, and bytes
@@ -30,6 +31,8 @@ per entry.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import dataclasses
 import gc
 import json
@@ -181,7 +184,13 @@ def request_table(requests: int, window: int, batches: int) -> None:
 # -- index memory ------------------------------------------------------------------------------
 
 
-def rss_bytes() -> int:
+def rss_bytes(*, trim: bool = False) -> int:
+    """Resident bytes; ``trim``: first hand freed heap memory back to the OS (glibc's
+    ``malloc_trim``), so growth counts what is live, not what the allocator keeps around."""
+    gc.collect()
+    if trim:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
@@ -207,13 +216,14 @@ class MemoryRow:
     structure: str
     nbytes: int | None
     rss: int
+    rss_untrimmed: int
     fill_seconds: float
 
     def line(self) -> str:
         own = "-" if self.nbytes is None else f"{self.nbytes / self.entries:.1f}"
         return (
             f"{self.layout:<22} {self.structure:<14} {self.entries:>9} {own:>12} {self.rss / self.entries:>10.1f}"
-            f" {self.fill_seconds * 1e6 / self.entries:>10.2f}"
+            f" {self.rss_untrimmed / self.entries:>10.1f} {self.fill_seconds * 1e6 / self.entries:>10.2f}"
         )
 
 
@@ -221,26 +231,29 @@ def memory(pods: int, entries: int, structure: str) -> MemoryRow:
     """Fill an index as KV events do (batches of up to 64 blocks per pod) and weigh it."""
     rng = random.Random(3)
     per = entries // pods
-    gc.collect()
-    before = rss_bytes()
+    before = rss_bytes(trim=True)
     index: PrefixIndex | DictOfSets = PrefixIndex() if structure == "kvflow" else DictOfSets()
     t = time.process_time()
     for p in range(pods):
         for start in range(0, per, 64):
             index.add(f"10.0.{p // 250}.{p % 250}:8000", [rng.getrandbits(64) for _ in range(min(64, per - start))])
     seconds = time.process_time() - t
-    gc.collect()
-    grown = rss_bytes() - before
+    untrimmed = rss_bytes() - before
+    grown = rss_bytes(trim=True) - before
     own = index.nbytes() if isinstance(index, PrefixIndex) else None
     layout = f"{pods} pod{'s' if pods > 1 else ''} x {per:,}"
     del index
     gc.collect()
-    return MemoryRow(layout, pods * per, structure, own, grown, seconds)
+    return MemoryRow(layout, pods * per, structure, own, grown, untrimmed, seconds)
 
 
 def memory_table(scale: float) -> list[MemoryRow]:
-    print("\nprecise index memory, bytes per (block, endpoint) entry; fill: CPU us per entry stored")
-    print(f"{'entries':<22} {'structure':<14} {'count':>9} {'own arrays':>12} {'RSS':>10} {'fill us':>10}")
+    print(
+        "\nprecise index memory, bytes per (block, endpoint) entry (RSS: growth of a fresh process, after"
+        " malloc_trim / as left by the allocator); fill: CPU us per entry stored"
+    )
+    header = f"{'own arrays':>12} {'RSS':>10} {'untrimmed':>10} {'fill us':>10}"
+    print(f"{'entries':<22} {'structure':<14} {'count':>9} {header}")
     rows = []
     for pods, entries in ((1, 1_200_000), (1000, 1_000_000)):
         for structure in ("kvflow", "dict of sets"):
