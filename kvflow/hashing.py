@@ -15,11 +15,12 @@ publish each hash in its external form: by default the last 8 bytes as a big-end
 int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), else the raw 32 bytes.
 
 ``chain_hashes`` is the one implementation of the chain: the simulator, the router's hash
-memo (``router/hashcache.py``) and ``hash_request_tokens`` all walk it. For a run of blocks
-without extra keys it does not call ``pickle.dumps``/``cbor2.dumps`` per block: the bytes
-those would produce have a fixed shape (``kvflow.blockbytes``), so numpy writes every block's
-bytes at once and only the SHA-256 chain stays sequential — about twice as fast, byte for
-byte the same (tests/core/test_blockbytes.py compares them with the libraries').
+memo (``router/hashcache.py``) and ``hash_request_tokens`` all walk it. Given the tokens as
+int64 too (the router's memo has them), a run of blocks without extra keys is not serialised
+with ``pickle.dumps``/``cbor2.dumps`` block by block: those bytes have a fixed shape
+(``kvflow.blockbytes``), so every block's bytes are written in one call for the run and only
+the SHA-256 chain stays a loop — byte for byte the same (tests/core/test_blockbytes.py compares
+them with the libraries'), and a little faster (docs/router.md has the figures).
 
 The simulator and the router share this module, so a hash the router computes for a prompt
 equals the hash a pod publishes in its KV events for the same tokens; tests/golden holds
@@ -127,11 +128,14 @@ def chain_hashes(
     or the last full block.
 
     ``extra_keys`` key every block; ``first_extra_keys``, when given, key block 0 instead (the
-    cache salt goes on block 0 only). ``values``: ``token_ids`` as int64, if the caller has
-    them. A block is hashed when the iterator reaches it; the bytes of runs of blocks are laid
-    out together (``kvflow.blockbytes``) as the iterator reaches each run: the first block
-    alone (a prefix walk that finds nothing cached stops there), then 63, then 8 times more
-    each time, so a walk that stops early wastes little layout and no hashing.
+    cache salt goes on block 0 only). A block is hashed when the iterator reaches it.
+
+    ``values`` is ``token_ids`` as int64, for a caller that has them anyway (the router's memo
+    fingerprints them): then the bytes of runs of blocks are laid out together
+    (``kvflow.blockbytes``) as the iterator reaches each run — the first block alone (a prefix
+    walk that finds nothing cached stops there), then 63, then 8 times more each time. Without
+    them every block is serialised the plain way: converting the tokens costs about what the
+    layout saves.
     """
     fn = hash_fn(algo)
     n = len(token_ids) // block_size
@@ -142,14 +146,14 @@ def chain_hashes(
         parent = hash_block_tokens(fn, parent, token_ids[:block_size], first)
         yield parent
         i = 1
-    layout = _LAYOUTS.get(algo) if extra_keys is None else None
+    layout = _LAYOUTS.get(algo) if extra_keys is None and values is not None else None
     run = 1
     while i < stop:
         end = min(stop, i + run)
         parts = None
         if layout is not None and end - i >= FAST_MIN_BLOCKS:
             a, b = i * block_size, end * block_size
-            parts = layout.blocks(token_ids[a:b], block_size, None if values is None else values[a:b])
+            parts = layout.blocks(token_ids[a:b], block_size, values[a:b])  # type: ignore[index]
         if parts is None:  # a short run, extra keys, or tokens outside the layout: the plain way
             for j in range(i, end):
                 parent = hash_block_tokens(fn, parent, token_ids[j * block_size : (j + 1) * block_size], extra_keys)

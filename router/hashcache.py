@@ -187,16 +187,19 @@ class RequestHashes:
         assert chain is not None
         if i < len(hashes):
             yield from itertools.islice(hashes, i, None)  # also yields what others append meanwhile
-        i = max(i, len(hashes))
+            i = len(hashes)
         try:
             for digest in chain:
                 h = unpack_external(digest)[0]
                 hashes.append(h)
                 digests.append(digest)
-                if len(hashes) != i + 1:  # another reader went further while this one paused
-                    yield from hashes[i:-1]
-                i = len(hashes)
+                k = len(hashes) - 1
+                if k != i:
+                    if k < i:  # not yet at the block this reader starts from
+                        continue
+                    yield from hashes[i:k]  # another reader went further while this one paused
                 yield h
+                i = k + 1
         finally:
             self._memoise()
 

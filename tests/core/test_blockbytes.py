@@ -99,25 +99,27 @@ def test_fast_chain_equals_the_plain_chain(algo: str, n_tokens: int) -> None:
     rng = random.Random(n_tokens)
     tokens = [rng.choice(EDGES) if rng.random() < 0.1 else rng.randrange(128256) for _ in range(n_tokens)]
     want = plain_chain(tokens, 16, algo)
-    assert list(chain_hashes(tokens, 16, none_hash("0", algo), algo=algo)) == want
+    assert list(chain_hashes(tokens, 16, none_hash("0", algo), algo=algo)) == want  # the plain way
     values = np.array(tokens, dtype=np.int64)
-    assert list(chain_hashes(tokens, 16, none_hash("0", algo), algo=algo, values=values)) == want
+    assert list(chain_hashes(tokens, 16, none_hash("0", algo), algo=algo, values=values)) == want  # laid out
 
 
 def test_a_chain_resumes_from_any_block_and_stops_where_asked() -> None:
     tokens = list(range(40 * 16))
+    values = np.array(tokens, dtype=np.int64)
     full = plain_chain(tokens, 16, "sha256")
-    assert list(chain_hashes(tokens, 16, full[9], start=10, stop=30)) == full[10:30]
-    assert list(chain_hashes(tokens, 16, none_hash("0"), stop=1)) == full[:1]
+    assert list(chain_hashes(tokens, 16, full[9], start=10, stop=30, values=values)) == full[10:30]
+    assert list(chain_hashes(tokens, 16, none_hash("0"), stop=1, values=values)) == full[:1]
 
 
 def test_extra_keys_and_salt_chain_the_plain_way() -> None:
     tokens = list(range(10 * 16))
+    values = np.array(tokens, dtype=np.int64)
     lora = (("lora", "a", "/a"),)
     salted = (("lora", "a", "/a"), ("cache_salt", "s"))
     got = list(chain_hashes(tokens, 16, none_hash("0"), extra_keys=lora, first_extra_keys=salted))
     assert got == plain_chain(tokens, 16, "sha256", extra=lora, first=salted)
-    salt_only = list(chain_hashes(tokens, 16, none_hash("0"), first_extra_keys=(("cache_salt", "s"),)))
+    salt_only = list(chain_hashes(tokens, 16, none_hash("0"), first_extra_keys=(("cache_salt", "s"),), values=values))
     assert salt_only == plain_chain(tokens, 16, "sha256", first=(("cache_salt", "s"),))
     assert salt_only[1:] != plain_chain(tokens, 16, "sha256")[1:]  # block 0 changed, so does the chain
 
@@ -127,7 +129,8 @@ def test_odd_tokens_hash_as_the_ints_they_stand_for() -> None:
     want = plain_chain(ints, 16, "sha256")
     assert list(chain_hashes([True, False, 2**31, 5] * 8, 16, none_hash("0"))) == want
     small = [1, 0, 7, 5] * 64  # inside the layout: bools anywhere still hash as 1 and 0
-    assert list(chain_hashes([True, False, 7, 5] * 64, 16, none_hash("0"))) == plain_chain(small, 16, "sha256")
+    laid = chain_hashes([True, False, 7, 5] * 64, 16, none_hash("0"), values=np.array(small, dtype=np.int64))
+    assert list(laid) == plain_chain(small, 16, "sha256")
     assert list(chain_hashes([np.int64(t) for t in ints], 16, none_hash("0"))) == want
     with pytest.raises(TypeError):
         list(chain_hashes([1.5] * 16, 16, none_hash("0")))

@@ -47,6 +47,8 @@ def test_readers_of_one_chain_interleave_safely() -> None:
     got_first += list(first)
     assert got_first == vllm_chain(tokens) and got_second == vllm_chain(tokens)[:12]
     assert list(hashes.iter_from(30)) == vllm_chain(tokens)[30:]
+    fresh = BlockHashCache(16).for_request(tokens)
+    assert list(fresh.iter_from(30)) == vllm_chain(tokens)[30:]  # from past what was computed
 
 
 def test_what_is_known_is_the_memoised_prefix() -> None:
