@@ -1,9 +1,9 @@
 """``BlockTable``: which endpoints hold which KV blocks, in flat arrays (about 50 bytes an entry).
 
 The prefix indexes keep one entry per (block, endpoint); as Python dicts of sets that cost
-about 370 bytes an entry, so a million blocks on many pods took most of a gigabyte. Here
+about 350 bytes an entry, so a million blocks on many pods took most of a gigabyte. Here
 every field is a slot in an ``array.array`` of machine ints, read and written from Python by
-index (numpy only rebuilds whole arrays):
+index (numpy rebuilds the slots, compacts logs and looks up many computed hashes at once):
 
 * **blocks**, one record per distinct block hash: ``key[r]`` its 64-bit external hash,
   ``mix[r]`` its *holder mix* — the XOR of a random 64-bit key per holding endpoint, so equal
@@ -11,7 +11,8 @@ index (numpy only rebuilds whole arrays):
   (a free record links the free list as -2 - next).
 * **slots**, hash -> record: open addressing, probed linearly from a multiply-shift of the
   hash with a random odd multiplier (a pod cannot pick hashes that pile into one probe run),
-  at most 70 % full, deleted from by backward shift (no tombstones).
+  at most half full (recently stored blocks, the hot ones, sit at the end of probe runs),
+  deleted from by backward shift (no tombstones).
 * **entries**, one per (block, endpoint): ``owner`` (a small int per endpoint), ``block`` (its
   record; on the free list, the next free entry), ``next`` (the block's next holder) and
   ``stamp`` (its place in its endpoint's age log).

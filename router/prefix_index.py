@@ -57,6 +57,8 @@ def longest_prefixes(holders: Mapping[int, Set[EndpointId]], chain: Iterable[int
         for ep in alive - nxt:
             matched[ep] = i
         alive &= nxt
+        if not alive:
+            break
         i += 1
     for ep in alive:
         matched[ep] = i

@@ -96,3 +96,21 @@ def test_a_compact_index_weighs_tens_of_bytes_per_entry() -> None:
     for pod in range(20):
         index.add(EndpointId(f"10.0.0.{pod}:8000"), [rng.getrandbits(64) for _ in range(5000)])
     assert index.nbytes() / 100_000 < 64
+
+
+def test_the_walk_stops_once_no_endpoint_still_matches() -> None:
+    asked: list[int] = []
+
+    def lazy():  # type: ignore[no-untyped-def]
+        for i, h in enumerate([1, 2, 3, 4]):
+            asked.append(i)
+            yield h
+
+    holders = {1: {A}, 2: {B}, 3: {B}, 4: {B}}  # B holds later blocks, but not the first
+    assert longest_prefixes(holders, lazy()) == {A: 1} and asked == [0, 1]
+    table = PrefixIndex()
+    for h, eps in holders.items():
+        for ep in eps:
+            table.add(ep, [h])
+    asked.clear()
+    assert table.match(lazy()) == {A: 1} and asked == [0, 1]
