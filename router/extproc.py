@@ -263,6 +263,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.request = scheduling_request(self.router, ex.headers, bytes(ex.body))
             ex.result = self.router.schedule(ex.request)
         except Exception as exc:  # every failure becomes an HTTP answer, never a broken stream
+            ex.refused = True
             error = from_exception(exc)
             if not isinstance(exc, KvflowError):
                 log.exception("scheduling failed")

@@ -281,3 +281,95 @@ async def test_api_keys_never_reach_logs_metrics_or_pods(edge, tmp_path, caplog)
     for secret in ("abcdef123456", "654321fedcba"):
         assert secret not in logged and secret not in metrics
     assert all("authorization" not in h for pod in stack.pods for h in pod.headers)
+
+
+@pytest.fixture
+async def sidecar_for() -> AsyncIterator[Any]:
+    """A sidecar in front of a fake local pod, with a fake prefill pod at 127.0.0.9."""
+    from kvflow.gateway.config import GatewayConfig
+    from kvflow.gateway.server import limits_of, listen
+    from kvflow.gateway.sidecar import Sidecar
+    from tests.gateway.fakes import FakePod
+
+    started: list[Any] = []
+
+    async def start(**config: Any) -> tuple[str, FakePod, FakePod]:
+        local, prefiller = FakePod("local"), FakePod("prefill")
+        await local.start("127.0.0.2")
+        await prefiller.start("127.0.0.9")
+        cfg = GatewayConfig.model_validate(config)
+        sidecar = Sidecar(cfg, local.endpoint)  # type: ignore[arg-type]
+        server, port = await listen(sidecar.handle, "127.0.0.1", 0, limits_of(cfg))
+        started.append((server, sidecar, local, prefiller))
+        return f"127.0.0.1:{port}", local, prefiller
+
+    yield start
+    for server, sidecar, local, prefiller in started:
+        server.close()
+        await sidecar.upstream.stop()
+        await local.stop()
+        await prefiller.stop()
+
+
+async def sidecar_exchange(address: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    host, port = address.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    received = await asyncio.wait_for(reader.read(-1), 5)
+    writer.close()
+    return answers(received)
+
+
+@pytest.mark.parametrize(("allowed", "header", "prefilled"), [
+    ([], "127.0.0.9:{port}", False),
+    (["127.0.0.8"], "127.0.0.9:{port}", False),
+    (["127.0.0.9"], "127.0.0.9:{port}", True),
+    (["127.0.0.0/24"], "127.0.0.9:{port}", True),
+    (["localhost"], "127.0.0.9:{port}", False),
+    (["127.0.0.9"], "localhost:{port}", False),
+], ids=["nothing-allowed", "another-address", "this-address", "its-network", "a-name-for-another", "a-client-name"])
+async def test_the_sidecar_prefills_only_on_allowed_pods(sidecar_for, allowed, header, prefilled) -> None:  # type: ignore[no-untyped-def]
+    address, local, prefiller = await sidecar_for(sidecar={"prefillers": allowed})
+    value = header.format(port=prefiller.endpoint.port).encode()
+    [(status, _, body)] = await sidecar_exchange(address, post(headers=b"x-prefiller-host-port: " + value +
+                                                                 b"\r\nConnection: close\r\n"))
+    assert (status, bool(prefiller.received)) == ((200, True) if prefilled else (400, False))
+    if not prefilled:
+        assert openai_error(body)["message"] in ("x-prefiller-host-port does not name an allowed prefill pod",)
+        assert local.received == []
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    (b"GET", b"/_sim/faults", 404), (b"POST", b"/_sim/faults", 404), (b"POST", b"/reset_prefix_cache", 404),
+    (b"POST", b"/v1/load_lora_adapter", 404), (b"GET", b"/v1/models", 404),  # the fake pod has no /v1/models
+])
+async def test_the_sidecar_passes_only_allowed_paths(sidecar_for, method, path, status) -> None:  # type: ignore[no-untyped-def]
+    address, local, _ = await sidecar_for()
+    [(got, _, body)] = await sidecar_exchange(address, method + b" " + path + b" HTTP/1.1\r\nConnection: close\r\n"
+                                                        b"Content-Length: 2\r\n\r\n{}")
+    assert got == status and local.received == []
+    if path != b"/v1/models":
+        assert openai_error(body)["type"] == "NotFoundError"
+
+
+async def test_the_sidecar_refuses_client_kv_transfer_params_and_strips_routing_headers(sidecar_for) -> None:  # type: ignore[no-untyped-def]
+    address, local, _ = await sidecar_for()
+    kv = json.dumps({**COMPLETION, "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9"}})
+    [(status, _, body)] = await sidecar_exchange(address, post(kv.encode(), b"Connection: close\r\n"))
+    assert (status, openai_error(body)["param"]) == (400, "kv_transfer_params")
+    [(status, _, _)] = await sidecar_exchange(address, post(headers=b"x-kvflow-profile: p\r\nx-gateway-destination-"
+                                                                   b"endpoint: 10.9.9.9:80\r\nConnection: close\r\n"))
+    assert status == 200 and not {"x-kvflow-profile", "x-gateway-destination-endpoint"} & set(local.headers[-1])
+    assert local.received == [COMPLETION]
+
+
+async def test_prefiller_allow_list_entries() -> None:
+    from kvflow.gateway.allowlist import PrefillerAllowList
+
+    allow = PrefillerAllowList(["10.0.0.5", "10.0.1.5:8000", "10.2.0.0/16", "localhost:9000"])
+    await allow.resolve()
+    checks = [("10.0.0.5", 1), ("10.0.1.5", 8000), ("10.0.1.5", 8001), ("10.2.3.4", 80), ("10.3.0.1", 80),
+              ("127.0.0.1", 9000), ("127.0.0.1", 9001), ("localhost", 9000)]
+    assert [allow.allows(h, p) for h, p in checks] == [True, True, False, True, False, True, False, False]
+    with pytest.raises(ValueError):
+        PrefillerAllowList(["http://evil"])
