@@ -91,9 +91,14 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+WORDS = [f"w{i}" for i in range(300)]
+"""Prompts come from a fixed vocabulary, as a real tokenizer's: kvflow's built-in tokenizer caches
+the pieces it has seen (bounded), and unique numbers in every prompt would read as growth."""
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, counts: Counts, stream: bool, n: int) -> None:
-    body = {"model": MODEL, "prompt": f"soak request {n} " + "word " * random.randint(5, 60), "max_tokens": 16,
-            "stream": stream}
+    prompt = f"tenant {n % 20} says " + " ".join(random.choices(WORDS, k=random.randint(5, 60)))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": stream}
     counts.sent += 1
     try:
         async with session.post(url, json=body) as r:

@@ -24,6 +24,7 @@ import os
 
 from kvflow.errors import InvalidRequestError, KvflowError, UpstreamError, from_exception
 from kvflow.gateway.allowlist import PrefillerAllowList
+from kvflow.gateway.app import RouteError
 from kvflow.gateway.body import client_kv_params, parse_json, scrub_answer
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.httpserver import Request, Responder
@@ -40,11 +41,6 @@ _GENERATE = frozenset({"/v1/completions", "/v1/chat/completions"})
 _HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect"})
 
 
-class RouteNotAllowed(KvflowError):
-    status = 404
-    type = "NotFoundError"
-
-
 class Sidecar:
     def __init__(self, config: GatewayConfig, local: Endpoint) -> None:
         self.config, self.local = config, local
@@ -59,7 +55,7 @@ class Sidecar:
         ex = Exchange(request.headers.get("x-request-id") or f"{self._id_prefix}-{next(self._ids)}", request.path)
         try:
             if request.path not in self.paths:
-                raise RouteNotAllowed(f"no route for {request.path}")
+                raise RouteError(404, f"no route for {request.path}")
             prefiller = request.headers.get(PREFILLER_HEADER)
             strip_client_routing(request.headers)  # whatever is left goes to the model server
             if request.method == "POST" and request.path in _GENERATE and prefiller is not None:
