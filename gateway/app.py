@@ -32,7 +32,9 @@ from kvflow.gateway.proxy import (
     AttemptFailed, Exchange, Upstream, send_error, send_json, stream_response, try_targets, whole_response,
 )
 from kvflow.gateway.validation import validate
-from kvflow.router.model import SchedulingRequest, SchedulingResult
+from kvflow.router.flight import Flight
+from kvflow.router.model import SchedulingResult
+from kvflow.router.request import PoolNames, scheduling_request, tokens_off_loop
 from kvflow.endpoints import Endpoint
 from kvflow.routing_headers import PRIORITY, strip_client_routing
 
@@ -59,7 +61,10 @@ class Gateway:
         # model or LoRA name -> (pool, adapter); an adapter is scheduled in its base model's pool
         self.names: dict[str, tuple[Pool, str | None]] = {name: (pool, None) for name, pool in self.pools.items()}
         self.loras: dict[str, str] = {}
+        self.pool_names: dict[str, PoolNames] = {name: PoolNames(name) for name in self.pools}
         for pc in config.pools:
+            if pc.model in self.pools:
+                self.pool_names[pc.model] = PoolNames(pc.model, frozenset(pc.loras))
             for lora in pc.loras:
                 if pc.model in self.pools:
                     self.names[lora] = (self.pools[pc.model], lora)
@@ -209,43 +214,46 @@ class Gateway:
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
                      lora: str | None) -> None:
         router = pool.router
-        sreq = SchedulingRequest(ex.request_id, pool.model, router.tokenize(body), request.headers, lora)
+        tokens = await tokens_off_loop(router.tokenize, body, len(request.body))
+        sreq = scheduling_request(body, request.headers, tokens, request_id=ex.request_id,
+                                  names=self.pool_names[pool.model], max_prompt_tokens=router.max_prompt_tokens)
+        await router.prepare(sreq)
         result: SchedulingResult = router.schedule(sreq)
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
         if self._forward_auth and "authorization" in request.headers:
             upstream_headers["Authorization"] = request.headers["authorization"]
-        router.request_started(sreq, result)
-        ok = False
-        try:
+        with router.flight(sreq, result) as flight:  # released whatever happens below
             payload = request.body
             if result.prefill is not None:
-                payload = await self._prefill(ex, pool, result.prefill, request.path, body, upstream_headers)
+                payload = await self._prefill(ex, pool, flight, result.prefill, request.path, body, upstream_headers)
             else:
                 ex.mode = "aggregated"
             self.metrics.count(self.metrics.mode, pool.model, ex.mode)
 
             def failed(endpoint: Endpoint, failure: AttemptFailed) -> None:
+                flight.failed(endpoint)
                 self._attempt_failed(pool, endpoint, failure)
 
             answer = await try_targets(self.upstream, ex, result.targets[: self._attempts], request.path, payload,
-                                       upstream_headers, stream=body.get("stream") is True, on_failure=failed)
+                                       upstream_headers, stream=body.get("stream") is True,
+                                       on_attempt=flight.send, on_failure=failed)
             if answer.first_chunk is None:
+                flight.first_token(observe=False)  # the whole answer at once: no time to first token
                 whole_response(out, ex, answer)
-                ok = ex.status < 500
             else:
+                flight.first_token()
                 await stream_response(out, ex, answer, self._idle)
-                ok = ex.error is None
-        finally:
-            router.request_finished(sreq, result, ok=ok)
 
-    async def _prefill(self, ex: Exchange, pool: Pool, endpoint: Endpoint, path: str, body: dict[str, Any],
-                       headers: Mapping[str, str]) -> bytes:
+    async def _prefill(self, ex: Exchange, pool: Pool, flight: Flight, endpoint: Endpoint, path: str,
+                       body: dict[str, Any], headers: Mapping[str, str]) -> bytes:
+        flight.send_prefill(endpoint)
         try:
             params = await prefill(self.upstream, endpoint, path, body, headers)
             ex.mode = "pd"
         except AttemptFailed as failure:  # the decode pod computes the prompt itself
             self._attempt_failed(pool, endpoint, failure, retry=False)
             params, ex.mode = None, "pd_fallback"
+        flight.prefill_done(ok=params is not None)
         return encode(decode_body(body, params))
 
     def _attempt_failed(self, pool: Pool, endpoint: Endpoint, failure: AttemptFailed, *, retry: bool = True) -> None:

@@ -39,6 +39,7 @@ class AttemptFailed(Exception):
 
 
 OnFailure = Callable[[Endpoint, AttemptFailed], None]
+OnAttempt = Callable[[Endpoint], None]
 
 
 @dataclass(slots=True)
@@ -139,15 +140,18 @@ class Answer:
 
 async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoint], path: str,
                       body: bytes, headers: Mapping[str, str], *, stream: bool,
-                      on_failure: OnFailure | None = None) -> Answer:
+                      on_attempt: OnAttempt | None = None, on_failure: OnFailure | None = None) -> Answer:
     """The first pod in ``targets`` that answers; UpstreamError when none does.
 
-    ``on_failure(endpoint, failure)`` hears about every failed attempt (metrics, router).
+    ``on_attempt(endpoint)`` hears about every attempt before it is sent, and
+    ``on_failure(endpoint, failure)`` about every one that failed (metrics, the router's accounting).
     """
     failures: list[str] = []
     for endpoint in targets:
         if failures:
             ex.retries += 1
+        if on_attempt is not None:
+            on_attempt(endpoint)
         try:
             response = await upstream.send(endpoint, path, body, headers)
             ex.endpoint = endpoint

@@ -44,12 +44,12 @@ def set_headers(resp: pb.ProcessingResponse, field: str) -> dict[str, str]:
 PODS = [Endpoint("127.0.0.2", 8000), Endpoint("127.0.0.3", 8000)]
 
 
-def test_full_duplex_routes_after_the_whole_body() -> None:
+async def test_full_duplex_routes_after_the_whole_body() -> None:
     proc = ExternalProcessor(Router(load_config(None), PODS))
     ex = _Exchange()
-    assert proc._handle(ex, headers_msg(mode=4, x_request_id="r1")) == []
-    assert proc._handle(ex, body_msg(BODY[:100], end=False)) == []
-    out = proc._handle(ex, body_msg(BODY[100:], end=True))
+    assert await proc._handle(ex, headers_msg(mode=4, x_request_id="r1")) == []
+    assert await proc._handle(ex, body_msg(BODY[:100], end=False)) == []
+    out = await proc._handle(ex, body_msg(BODY[100:], end=True))
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
     picked = set_headers(out[0], "request_headers")["x-gateway-destination-endpoint"]
     assert out[0].request_headers.response.clear_route_cache
@@ -60,56 +60,56 @@ def test_full_duplex_routes_after_the_whole_body() -> None:
     assert sum(v.in_flight for v in proc.router.datastore.snapshot()) == 1
     # the response streams back; its last chunk ends the accounting
     status = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
-    resp = proc._handle(ex, pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=status)))
+    resp = await proc._handle(ex, pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=status)))
     assert set_headers(resp[0], "response_headers") == {"x-kvflow-endpoint": picked}
-    chunk = proc._handle(ex, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True)))
+    chunk = await proc._handle(ex, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True)))
     assert chunk[0].response_body.response.body_mutation.streamed_response.body == b"data: x\n\n"
     assert sum(v.in_flight for v in proc.router.datastore.snapshot()) == 0
 
 
-def test_buffered_mode_routes_on_the_body_response() -> None:
+async def test_buffered_mode_routes_on_the_body_response() -> None:
     proc = ExternalProcessor(Router(load_config(None), PODS))
     ex = _Exchange()
-    first = proc._handle(ex, headers_msg(mode=2))
+    first = await proc._handle(ex, headers_msg(mode=2))
     assert [r.WhichOneof("response") for r in first] == ["request_headers"]
-    out = proc._handle(ex, body_msg(BODY, end=True))
+    out = await proc._handle(ex, body_msg(BODY, end=True))
     assert [r.WhichOneof("response") for r in out] == ["request_body"]
     assert "x-gateway-destination-endpoint" in set_headers(out[0], "request_body")
     assert not out[0].request_body.response.HasField("body_mutation")
 
 
-def test_pd_sets_the_prefiller_header() -> None:
+async def test_pd_sets_the_prefiller_header() -> None:
     pods = [Endpoint("127.0.0.2", 8000, role=Role.DECODE), Endpoint("127.0.0.4", 8000, role=Role.PREFILL)]
     proc = ExternalProcessor(Router(load_config({"pd": {"threshold": 100}}), pods))
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4))
-    out = proc._handle(ex, body_msg(BODY, end=True))
+    await proc._handle(ex, headers_msg(mode=4))
+    out = await proc._handle(ex, body_msg(BODY, end=True))
     assert set_headers(out[0], "request_headers") == {
         "x-gateway-destination-endpoint": "127.0.0.2:8000",
         "x-prefiller-host-port": "127.0.0.4:8000",
     }
 
 
-def test_errors_become_immediate_responses() -> None:
+async def test_errors_become_immediate_responses() -> None:
     router = Router(load_config(None), PODS[:1])
     proc = ExternalProcessor(router)
     cases = [(b"{oops", 400, "BadRequestError")]
     for body, status, kind in cases:
         ex = _Exchange()
-        proc._handle(ex, headers_msg(mode=4))
-        (out,) = proc._handle(ex, body_msg(body, end=True))
+        await proc._handle(ex, headers_msg(mode=4))
+        (out,) = await proc._handle(ex, body_msg(body, end=True))
         assert out.immediate_response.status.code == status
         assert json.loads(out.immediate_response.body)["error"]["type"] == kind
     router.datastore.record_scrape(PODS[0].id, EngineMetrics(waiting=10_000), now=1.0)
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4))
-    (out,) = proc._handle(ex, body_msg(BODY, end=True))
+    await proc._handle(ex, headers_msg(mode=4))
+    (out,) = await proc._handle(ex, body_msg(BODY, end=True))
     assert out.immediate_response.status.code == 429
     assert {h.header.key: h.header.raw_value for h in out.immediate_response.headers.set_headers}["retry-after"] == b"1"
     router.mark_failed(PODS[0])
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4))
-    (out,) = proc._handle(ex, body_msg(BODY, end=True))
+    await proc._handle(ex, headers_msg(mode=4))
+    (out,) = await proc._handle(ex, body_msg(BODY, end=True))
     assert out.immediate_response.status.code == 503
 
 
@@ -118,24 +118,24 @@ def immediate(out: list[pb.ProcessingResponse]) -> tuple[int, dict[str, Any]]:
     return resp.immediate_response.status.code, json.loads(resp.immediate_response.body)["error"]
 
 
-def test_client_routing_headers_never_reach_the_scheduler_and_are_removed_from_the_request() -> None:
+async def test_client_routing_headers_never_reach_the_scheduler_and_are_removed_from_the_request() -> None:
     proc = ExternalProcessor(Router(load_config(None), PODS))
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4, x_gateway_destination_endpoint="10.9.9.9:80",
+    await proc._handle(ex, headers_msg(mode=4, x_gateway_destination_endpoint="10.9.9.9:80",
                                  x_prefiller_host_port="10.9.9.9:80", x_kvflow_profile="no-such-profile"))
-    out = proc._handle(ex, body_msg(BODY, end=True))
+    out = await proc._handle(ex, body_msg(BODY, end=True))
     assert ex.request is not None and not {"x-kvflow-profile", "x-prefiller-host-port"} & set(ex.request.headers)
     mutation = out[0].request_headers.response.header_mutation
     assert set(set_headers(out[0], "request_headers")) == {"x-gateway-destination-endpoint"}
     assert {"x-prefiller-host-port", "x-prefiller-url"} <= set(mutation.remove_headers)
 
 
-def test_allowed_client_headers_reach_the_scheduler() -> None:
+async def test_allowed_client_headers_reach_the_scheduler() -> None:
     proc = ExternalProcessor(Router(load_config(None), PODS), ExtProcLimits(allow_client_headers=frozenset(
         {"x-kvflow-profile"})))
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4, x_kvflow_profile="no-such-profile"))
-    assert immediate(proc._handle(ex, body_msg(BODY, end=True)))[0] == 503  # honoured: an unknown profile
+    await proc._handle(ex, headers_msg(mode=4, x_kvflow_profile="no-such-profile"))
+    assert immediate(await proc._handle(ex, body_msg(BODY, end=True)))[0] == 400  # honoured: an unknown profile
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
@@ -144,15 +144,16 @@ def test_allowed_client_headers_reach_the_scheduler() -> None:
     (b'{"model":"m","prompt":' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     (b"x" * 5000, 413, None),
 ], ids=["client-kv-transfer-params", "nested-100000-deep", "over-the-body-cap"])
-def test_bodies_the_router_refuses(body: bytes, status: int, param: str | None) -> None:
+async def test_bodies_the_router_refuses(body: bytes, status: int, param: str | None) -> None:
     proc = ExternalProcessor(Router(load_config(None), PODS), ExtProcLimits(max_body_bytes=4096 if status == 413
                                                                             else 1 << 20))
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4))
-    out = proc._handle(ex, body_msg(body[:3000], end=False)) or proc._handle(ex, body_msg(body[3000:], end=True))
+    await proc._handle(ex, headers_msg(mode=4))
+    out = await proc._handle(ex, body_msg(body[:3000], end=False))
+    out = out or await proc._handle(ex, body_msg(body[3000:], end=True))
     got, error = immediate(out)
     assert (got, error["code"], error["param"]) == (status, status, param)
-    assert proc._handle(ex, body_msg(b"more", end=True)) == []  # answered: the rest is ignored
+    assert await proc._handle(ex, body_msg(b"more", end=True)) == []  # answered: the rest is ignored
     assert sum(v.in_flight for v in proc.router.datastore.snapshot()) == 0
 
 
