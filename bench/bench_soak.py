@@ -10,7 +10,8 @@ scrapes, access log), in front of 3 ``kvflow sim`` pods on 127.0.0.x. ``--faults
   stream that ended with an error event or broke off) and streams that failed before a byte;
 * the gateway's RSS every 10 s (the router runs inside it), and how flat it stays after warm-up
   (the first fifth of the run);
-* for each restart, the time from the pod's first good health check to its first request.
+* for each restart, the time from the pod's first good health check until the gateway's router
+  counts it routable again (``kvflow_router_endpoint_healthy``), and until it serves a request.
 
 Targets (issue 12): nothing lost, RSS flat within 10 % after warm-up, back in rotation within
 2 s of the first good health check. Writes ``bench/out/soak.json`` (and ``soak.png`` with
@@ -63,13 +64,18 @@ class Restart:
     pod: str
     killed_at: float
     healthy_at: float | None = None
+    """The pod's first good health check after its restart."""
+    routable_at: float | None = None
+    """The gateway's router counts it routable again (``kvflow_router_endpoint_healthy`` 1)."""
     first_request_at: float | None = None
+    """It served a request again (when the scheduler chose it: a cache-affine profile may not
+    send it anything for a while, which is a routing choice, not an outage)."""
 
     @property
     def back_after_s(self) -> float | None:
-        if self.healthy_at is None or self.first_request_at is None:
+        if self.healthy_at is None or self.routable_at is None:
             return None
-        return max(0.0, self.first_request_at - self.healthy_at)
+        return max(0.0, self.routable_at - self.healthy_at)
 
 
 @dataclass
@@ -91,14 +97,16 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-WORDS = [f"w{i}" for i in range(300)]
-"""Prompts come from a fixed vocabulary, as a real tokenizer's: kvflow's built-in tokenizer caches
-the pieces it has seen (bounded), and unique numbers in every prompt would read as growth."""
+_rng = random.Random(0)
+PROMPTS = [f"tenant {t % 20} says " + " ".join(_rng.choices([f"w{i}" for i in range(300)], k=_rng.randint(5, 60)))
+           for t in range(500)]
+"""A fixed set of prompts, drawn at random: the router's prefix index and hash memo and the
+built-in tokenizer's piece cache hold what they have seen up to their caps, so endless new
+prompts would read as memory growth until those caps are reached (a cache filling, not a leak)."""
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, counts: Counts, stream: bool, n: int) -> None:
-    prompt = f"tenant {n % 20} says " + " ".join(random.choices(WORDS, k=random.randint(5, 60)))
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": stream}
+    body = {"model": MODEL, "prompt": random.choice(PROMPTS), "max_tokens": 16, "stream": stream}
     counts.sent += 1
     try:
         async with session.post(url, json=body) as r:
@@ -164,21 +172,34 @@ async def requests_seen(session: aiohttp.ClientSession, url: str) -> float:
                if line.startswith("vllm:prompt_tokens_total"))
 
 
-async def watch_restart(restart: Restart, url: str, t0: float) -> None:
+async def routable(session: aiohttp.ClientSession, gateway: str, pod: str) -> bool:
+    needle = f'endpoint="{pod.removeprefix("http://")}"'
+    try:
+        async with session.get(gateway + "/metrics", timeout=aiohttp.ClientTimeout(total=1)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+    return any(line.startswith("kvflow_router_endpoint_healthy{") and needle in line and line.endswith(" 1.0")
+               for line in text.splitlines())
+
+
+async def watch_restart(restart: Restart, url: str, gateway: str, t0: float, seconds: float) -> None:
     async with aiohttp.ClientSession() as session:
         while not await health_ok(session, url):
             await asyncio.sleep(0.02)
         restart.healthy_at = time.monotonic() - t0
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if await requests_seen(session, url) > 0:
-                restart.first_request_at = time.monotonic() - t0
-                return
-            await asyncio.sleep(0.02)
+        end = t0 + seconds
+        while time.monotonic() < end and (restart.routable_at is None or restart.first_request_at is None):
+            now = time.monotonic() - t0
+            if restart.routable_at is None and await routable(session, gateway, url):
+                restart.routable_at = now
+            if restart.first_request_at is None and await requests_seen(session, url) > 0:
+                restart.first_request_at = now
+            await asyncio.sleep(0.05)
 
 
-async def faults(group: ProcessGroup, pods: list[Child], urls: list[str], args: argparse.Namespace, t0: float,
-                 report: Report) -> None:
+async def faults(group: ProcessGroup, pods: list[Child], urls: list[str], gateway: str, args: argparse.Namespace,
+                 t0: float, report: Report) -> None:
     seconds = args.minutes * 60
     for k in range(args.faults):
         await asyncio.sleep(max(0.0, t0 + seconds * (k + 1) / (args.faults + 1) - time.monotonic()))
@@ -188,7 +209,7 @@ async def faults(group: ProcessGroup, pods: list[Child], urls: list[str], args: 
         restart = Restart(urls[victim], killed_at=time.monotonic() - t0)
         report.restarts.append(restart)
         pods[victim] = group.start(f"pod{victim}-restart{k}", pods[victim].argv)
-        watcher = asyncio.ensure_future(watch_restart(restart, urls[victim], t0))
+        watcher = asyncio.ensure_future(watch_restart(restart, urls[victim], gateway, t0, seconds))
         os.kill(pods[frozen].popen.pid, signal.SIGSTOP)
         report.stops.append((urls[frozen], time.monotonic() - t0))
         await asyncio.sleep(args.stop_seconds)
@@ -223,7 +244,7 @@ async def run(args: argparse.Namespace, group: ProcessGroup) -> Report:
     t0 = time.monotonic()
     await asyncio.gather(
         load(f"http://127.0.0.1:{port}/v1/completions", args.rate, seconds, report.counts),
-        faults(group, pods, urls, args, t0, report),
+        faults(group, pods, urls, f"http://127.0.0.1:{port}", args, t0, report),
         sample_rss(gateway.popen.pid, t0, seconds, report, args.rss_every),
     )
     warm = [mb for t, mb in report.rss_mb if t >= seconds / 5]
@@ -238,11 +259,14 @@ def print_report(r: Report) -> None:
     print(f"Soak: {r.minutes:g} min at {r.rate:g} req/s (half streamed), {len(r.restarts)} kill+restart, "
           f"{len(r.stops)} SIGSTOP\n")
     print("| requests sent | ok | lost | streams ok | streams cut | streams refused | RSS growth after warm-up "
-          "| back in rotation after first good health check (s) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| back in rotation after first good health check (s) | first request after it (s) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---|")
     growth = "–" if r.rss_growth_after_warmup is None else f"{r.rss_growth_after_warmup * 100:+.1f} %"
     back = ", ".join("never" if b is None else f"{b:.2f}" for b in backs) or "–"
-    print(f"| {c.sent} | {c.ok} | {c.lost} | {c.streams_ok} | {c.streams_cut} | {c.streams_failed} | {growth} | {back} |")
+    first = ", ".join("none" if x.first_request_at is None or x.healthy_at is None
+                      else f"{x.first_request_at - x.healthy_at:.2f}" for x in r.restarts) or "–"
+    print(f"| {c.sent} | {c.ok} | {c.lost} | {c.streams_ok} | {c.streams_cut} | {c.streams_failed} | {growth} "
+          f"| {back} | {first} |")
     if c.errors:
         print("\nerrors: " + ", ".join(f"{k} {v}" for k, v in sorted(c.errors.items())))
     print("\n| t (s) | gateway RSS (MiB) |\n|---:|---:|")

@@ -78,12 +78,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[dict[str, object], list[
 
 def metrics_app(router: Router) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
-        router.metrics.flush_scores()
-        for view in router.datastore.snapshot():
-            router.metrics.in_flight.labels(router.config.pool_name, view.id).set(view.in_flight)
-            router.metrics.healthy.labels(router.config.pool_name, view.id).set(1 if view.healthy else 0)
-        router.metrics.index_blocks.labels(router.config.pool_name, "approx").set(len(router.approx))
-        router.metrics.index_blocks.labels(router.config.pool_name, "precise").set(len(router.precise))
+        router.refresh_gauges()
         return web.Response(
             body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
