@@ -8,7 +8,8 @@ through another client. Only the bench uses this; it is how the HTTP layer was c
 Servers: ``own`` (kvflow's httptools server), ``uvicorn`` (ASGI, its httptools protocol, uvloop),
 ``granian`` (RSGI, Rust/hyper). Clients: ``own`` (kvflow's pooled httptools client), ``aiohttp``,
 ``pyreqwest`` (Rust/reqwest). The gateway is the user's default (``--profile default``, scrapes as
-configured, access log on) unless ``--gateway-arg`` says otherwise.
+configured, access log on) unless ``--gateway-arg`` says otherwise. The layers come with
+``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
