@@ -168,6 +168,9 @@ class Gateway:
         for pool in self.pools.values():  # gauges are read when scraped: nothing on the hot path
             pool.metrics.inflight.set(pool.gate.queue.inflight)
             pool.metrics.queued.set(pool.gate.queue.waiting)
+            refresh = getattr(pool.router, "refresh_gauges", None)  # the router's routable pods, in flight
+            if refresh is not None:
+                refresh()
         routers = [getattr(getattr(p.router, "metrics", None), "registry", None) for p in self.pools.values()]
         if self.http is not None:
             self.metrics.http_refusals = self.http.counts

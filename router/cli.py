@@ -18,7 +18,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvflow.router.config import load_config, read_source
-from kvflow.router.extproc import serve
+from kvflow.router.extproc import ExtProcLimits, serve
+from kvflow.routing_headers import check_allowable
 from kvflow.router.router import Router
 from kvflow.tokenizer import load_tokenizer
 from kvflow.endpoints import Endpoint, Role, parse_host_port
@@ -39,6 +40,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--kv-events-port", type=int, default=None, help="pods publish KV events on this port")
     p.add_argument("--no-kv-events", action="store_true", help="do not subscribe to KV events")
+    p.add_argument("--max-body-bytes", type=int, default=ExtProcLimits().max_body_bytes,
+                   help="largest request body ext_proc buffers (larger: 413)")
+    p.add_argument("--max-streams", type=int, default=ExtProcLimits().max_streams,
+                   help="requests ext_proc handles at once (more: 503 with Retry-After)")
+    p.add_argument("--allow-client-header", action="append", default=[], metavar="NAME",
+                   help="x-kvflow-profile / x-kvflow-priority: let clients choose (off by default)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(list(argv))
 
@@ -71,12 +78,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[dict[str, object], list[
 
 def metrics_app(router: Router) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
-        router.metrics.flush_scores()
-        for view in router.datastore.snapshot():
-            router.metrics.in_flight.labels(router.config.pool_name, view.id).set(view.in_flight)
-            router.metrics.healthy.labels(router.config.pool_name, view.id).set(1 if view.healthy else 0)
-        router.metrics.index_blocks.labels(router.config.pool_name, "approx").set(len(router.approx))
-        router.metrics.index_blocks.labels(router.config.pool_name, "precise").set(len(router.precise))
+        router.refresh_gauges()
         return web.Response(
             body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
@@ -121,7 +123,9 @@ async def run(args: argparse.Namespace) -> int:
         config, endpoints, profile=args.profile or config.default_profile, tokenizer=load_tokenizer(args.tokenizer)
     )
     await router.start()  # also watches the pool's pods when the config names a Kubernetes pool
-    server = await serve(router, args.host, args.port)
+    limits = ExtProcLimits(args.max_body_bytes, args.max_streams,
+                           frozenset(check_allowable(args.allow_client_header)))
+    server = await serve(router, args.host, args.port, limits)
     runner = None
     if args.metrics_port:
         runner = web.AppRunner(metrics_app(router), access_log=None)

@@ -280,6 +280,17 @@ class Router:
             flight.first_token(observe=False)
             flight.finish()
 
+    def refresh_gauges(self) -> None:
+        """Set the per-endpoint gauges (in flight, routable) and index sizes: called when the
+        metrics are read (the standalone router's /metrics, the gateway's), not per request."""
+        pool, m = self.config.pool_name, self.metrics
+        m.flush_scores()
+        for view in self.datastore.snapshot():
+            m.in_flight.labels(pool, view.id).set(view.in_flight)
+            m.healthy.labels(pool, view.id).set(1 if view.healthy else 0)
+        m.index_blocks.labels(pool, "approx").set(len(self.approx))
+        m.index_blocks.labels(pool, "precise").set(len(self.precise))
+
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.datastore.mark_failed(endpoint.id)
 

@@ -72,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     a("--fault-stall-after", type=int, default=None)
     a("--fault-slow-factor", type=float, default=1.0)
     a("--fault-crash-after", type=int, default=None)
+    a("--enable-admin-routes", action="store_true",
+      help="serve /_sim/faults and /_sim/state (tests: faults at run time); off, nobody can inject faults")
     a("--log-level", default="WARNING")
     return p
 
@@ -164,7 +166,7 @@ def _transfer(args: argparse.Namespace, profile: Profile) -> KVTransfer:
 
 async def serve(args: argparse.Namespace) -> None:
     state = build_state(args)
-    app = build_app(state)
+    app = build_app(state, admin_routes=args.enable_admin_routes)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await state.engine.start()

@@ -3,8 +3,9 @@
 Thin by design: validate the body (kvflow.openai_api), turn it into a ``SimRequest``, hand it to
 the engine, and stream what the engine produces. Every error leaves as OpenAI's error JSON.
 
-Admin routes (simulator only, under ``/_sim``): ``GET|POST /_sim/faults``, ``GET /_sim/state``,
-``POST /_sim/kv/pull`` (the modelled P/D transfer's handshake). ``POST /reset_prefix_cache`` is
+Admin routes (simulator only, under ``/_sim``): ``GET|POST /_sim/faults`` and ``GET /_sim/state``
+only with ``admin_routes`` (``kvflow sim --enable-admin-routes``: tests inject faults; nobody
+else may), and ``POST /_sim/kv/pull`` (the modelled P/D transfer's handshake between pods). ``POST /reset_prefix_cache`` is
 vLLM's own development route.
 """
 
@@ -289,7 +290,7 @@ async def kv_pull(request: web.Request) -> web.Response:
     return json_response({"ok": ok, "reason": "" if ok else f"no pinned blocks for {rid}"})
 
 
-def build_app(state: SimState) -> web.Application:
+def build_app(state: SimState, *, admin_routes: bool = False) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
     app[STATE] = state
     state.metrics.http.instrument(app)  # vLLM's http_request* families
@@ -300,8 +301,9 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
-    app.router.add_get("/_sim/faults", get_faults)
-    app.router.add_post("/_sim/faults", set_faults)
-    app.router.add_get("/_sim/state", sim_state)
+    if admin_routes:
+        app.router.add_get("/_sim/faults", get_faults)
+        app.router.add_post("/_sim/faults", set_faults)
+        app.router.add_get("/_sim/state", sim_state)
     app.router.add_post("/_sim/kv/pull", kv_pull)
     return app

@@ -272,7 +272,7 @@ async def test_sidecar_runs_prefill_named_by_the_header_then_decodes_locally(sta
     await local.start("127.0.0.2")
     await prefiller.start("127.0.0.9")
     assert local.endpoint and prefiller.endpoint
-    sidecar = Sidecar(GatewayConfig(), local.endpoint)
+    sidecar = Sidecar(GatewayConfig(sidecar={"prefillers": [prefiller.endpoint.host]}), local.endpoint)
     server, port = await listen(sidecar.handle, "127.0.0.1", 0, 1 << 20)
     url = f"http://127.0.0.1:{port}"
     try:
