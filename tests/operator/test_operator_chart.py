@@ -46,7 +46,8 @@ def test_lint_strict(values: list[str]) -> None:
 def test_template_renders_valid_objects(values: list[str]) -> None:
     docs = template(*values)
     kinds = sorted(d["kind"] for d in docs)
-    expected = ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+    expected = ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
+                "PodDisruptionBudget", "Role", "RoleBinding", "ServiceAccount"]
     if values:
         expected = sorted(expected + ["ConfigMap", "ServiceMonitor"])
     assert kinds == expected
@@ -58,11 +59,39 @@ def test_operator_deployment_runs_the_cli() -> None:
     deployment = next(d for d in template(*ALL_FEATURES) if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["kvflow"]
-    assert container["args"] == ["operator", "run", "--namespace=llm", "--namespace=team-a", "--verbose"]
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"} and deployment["spec"]["replicas"] == 1
+    assert container["args"] == ["operator", "run", "--namespace=llm", "--namespace=team-a", "--verbose",
+                                 "--lease-name=kvflow"]
+    from kvflow.operator.cli import _parser
+
+    parsed = _parser().parse_args(container["args"][1:])
+    assert parsed.leader_election and parsed.lease_name == "kvflow"
 
 
-@pytest.mark.parametrize("bad", ["operator.interval=-1", "bogus=1", "image.pullPolicy=Sometimes",
+def test_operator_is_highly_available_by_default() -> None:
+    docs = template()
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == \
+        "kubernetes.io/hostname"
+    budget = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    role = next(d for d in docs if d["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "kvflow-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["kvflow"],
+         "verbs": ["get", "update"]}]
+    single = template("--set", "operator.replicas=1", "--set", "operator.leaderElection=false")
+    assert {d["kind"] for d in single} >= {"Deployment"} and "Role" not in {d["kind"] for d in single}
+    args = next(d for d in single if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-1] == "--no-leader-election" and "PodDisruptionBudget" not in {d["kind"] for d in single}
+
+
+@pytest.mark.parametrize("bad", ["operator.interval=-1", "bogus=1", "operator.replicas=0", "image.pullPolicy=Sometimes",
                                  "metrics.serviceMonitor.interval=soon"])
 def test_values_schema_rejects_bad_values(bad: str) -> None:
     result = helm("template", "kvflow", str(CHART), "--set", bad, check=False)
@@ -90,9 +119,9 @@ def test_dashboard_is_valid_json() -> None:
 def test_rbac_audit_reads_the_same_rules_without_helm(monkeypatch: pytest.MonkeyPatch) -> None:
     import operator_rbac as rbac_audit
 
-    with_helm = rbac_audit.cluster_role_rules()
+    with_helm = rbac_audit.cluster_role_rules(), rbac_audit.namespaced_role_rules()
     monkeypatch.setattr(rbac_audit, "tool", lambda name: None)
-    assert rbac_audit.cluster_role_rules() == with_helm
+    assert (rbac_audit.cluster_role_rules(), rbac_audit.namespaced_role_rules()) == with_helm
 
 
 def test_watching_namespaces_adds_namespace_rbac() -> None:

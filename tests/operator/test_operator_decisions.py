@@ -204,7 +204,7 @@ def test_status_conditions_keep_their_transition_time() -> None:
     first = status.compute(svc, decided, observed, now="2026-01-01T00:00:00Z", previous={})
     assert first["phase"] == "Ready" and first["decode"]["summary"] == "2/2"
     later = status.compute(svc, decided, observed, now="2026-01-01T01:00:00Z", previous=first)
-    assert [c["lastTransitionTime"] for c in later["conditions"]] == ["2026-01-01T00:00:00Z"] * 3
+    assert [c["lastTransitionTime"] for c in later["conditions"]] == ["2026-01-01T00:00:00Z"] * 4
     assert status.transition_events(first, later) == []
 
 
