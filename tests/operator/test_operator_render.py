@@ -276,3 +276,75 @@ def test_decode_routing_sidecar_only_behind_an_external_gateway(mode: str) -> No
         assert names_ == ["engine"] and engine["ports"][0]["containerPort"] == 8000
     assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
     assert by_kind(objs, "InferencePool", "sim-llm")["spec"]["targetPorts"] == [{"number": 8000}]
+
+
+@pytest.mark.parametrize("tls", [{}, {"mode": "Secret", "secretName": "epp-tls"},
+                                 {"mode": "Secret", "secretName": "epp-tls", "clientCASecretName": "gw-ca"},
+                                 {"mode": "Disabled"}], ids=["self-signed", "secret", "mtls", "plaintext"])
+def test_router_serves_like_the_inference_extension_epp(tls: dict[str, Any]) -> None:
+    from kvflow.router.cli import parse_args as router_parse
+
+    body = load("sim.yaml")
+    body["spec"]["routing"]["tls"] = tls
+    assert crd_errors(body) == []
+    objs = render(with_uid(body), IMAGES)
+    pod = by_kind(objs, "Deployment", "sim-llm-router")["spec"]["template"]["spec"]
+    router = pod["containers"][0]
+    parsed = router_parse(router["args"][1:])
+    assert (parsed.port, parsed.grpc_health_port, parsed.metrics_port) == (9002, 9003, 9090)
+    assert {p["name"]: p["containerPort"] for p in router["ports"]} == {"grpc": 9002, "grpc-health": 9003,
+                                                                          "metrics": 9090}
+    probe = {"port": 9003, "service": "inference-extension"}  # GIE's chart probes the same
+    assert router["readinessProbe"]["grpc"] == router["livenessProbe"]["grpc"] == probe
+    assert parsed.secure_serving is (tls.get("mode") != "Disabled")
+    secrets = {v["secret"]["secretName"]: v["name"] for v in pod["volumes"] if "secret" in v}
+    mounts = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}
+    if tls.get("mode") == "Secret":
+        assert str(parsed.cert_path) == mounts[secrets["epp-tls"]] == "/etc/kvflow/tls"
+    else:
+        assert parsed.cert_path is None
+    if "clientCASecretName" in tls:
+        assert str(parsed.client_ca) == mounts[secrets["gw-ca"]] + "/ca.crt"
+    service = by_kind(objs, "Service", "sim-llm-router")["spec"]["ports"]
+    grpc_port = next(p for p in service if p["name"] == "grpc")
+    assert grpc_port["appProtocol"] == ("kubernetes.io/h2c" if tls.get("mode") == "Disabled" else "http2")
+    assert {p["port"] for p in service} == {9002, 9003, 9090}
+
+
+@pytest.mark.parametrize("source, tokenizer, init", [
+    ("hf://org/model", "/models/tokenizer", True),
+    ("pvc://models/llama/8b", "/models/models/llama/8b", False),
+    ("oci://registry.example.com/models/llama:8b", "/models/oci", False),
+])
+def test_router_and_gateway_get_the_models_tokenizer(source: str, tokenizer: str, init: bool) -> None:
+    from kvflow.gateway.config import GatewayConfig
+
+    body = load("vllm-gpu.yaml")
+    body["spec"]["model"] = {"name": "m", "source": source, "revision": "abc" if init else None}
+    body["spec"]["model"] = {k: v for k, v in body["spec"]["model"].items() if v is not None}
+    body["spec"]["engine"]["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}]
+    objs = render(with_uid(body), IMAGES)
+    for name, container in (("qwen-chat-router", "router"), ("qwen-chat-gateway", "gateway")):
+        pod = by_kind(objs, "Deployment", name)["spec"]["template"]["spec"]
+        main = next(c for c in pod["containers"] if c["name"] == container)
+        paths = {m["mountPath"] for m in main["volumeMounts"]}
+        assert any(tokenizer == p or tokenizer.startswith(p + "/") for p in paths), (tokenizer, paths)
+        assert ("initContainers" in pod) is init
+        if init:
+            fetch = pod["initContainers"][0]
+            assert fetch["image"] == IMAGES.kvflow and fetch["args"] == [
+                "tokenizer", "fetch", source, "/models/tokenizer", "--revision", "abc"]
+            assert fetch["env"] == body["spec"]["engine"]["env"]  # the hub token reaches it
+            assert fetch["securityContext"]["runAsNonRoot"]
+    router = by_kind(objs, "Deployment", "qwen-chat-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][router["args"].index("--tokenizer") + 1] == tokenizer
+    gateway = GatewayConfig.model_validate(config_file(objs, "qwen-chat-gateway", "gateway.yaml"))
+    assert gateway.pools[0].tokenizer == tokenizer
+
+
+def test_sim_engines_and_their_router_use_the_builtin_tokenizer() -> None:
+    objs = render(with_uid(load("sim.yaml")), IMAGES)
+    router = by_kind(objs, "Deployment", "sim-llm-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][router["args"].index("--tokenizer") + 1] == "builtin"
+    engine = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]["spec"]["containers"][0]
+    assert "--tokenizer" not in engine["args"]

@@ -124,3 +124,52 @@ def test_router_cli_refuses_precise_routing_on_a_pool_without_a_tokenizer(tmp_pa
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(
         "kvflow router: precise prefix routing matches the prompt's block hashes against the engines' KV events")
+
+
+async def test_init_container_fetches_a_hub_models_tokenizer(tmp_path: Path) -> None:
+    """`kvflow tokenizer fetch` (the router's init container for hf:// models) against a stand-in
+    hub: the resolve URLs, the token, a mirror through HF_ENDPOINT, optional files skipped."""
+    import asyncio
+    import os
+    import sys
+
+    from aiohttp import web
+
+    from kvflow.tokenizer import load_tokenizer
+
+    files = {name: (GOLDEN / "tiny-llama-tokenizer" / name).read_bytes()
+             for name in ("tokenizer.json", "tokenizer_config.json")}
+    seen: list[tuple[str, str]] = []
+
+    async def resolve(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization", "")))
+        name = request.match_info["name"]
+        if request.match_info["repo"] != "org/tiny" or name not in files:
+            return web.Response(status=404)
+        return web.Response(body=files[name])
+
+    app = web.Application()
+    app.router.add_get("/{repo:.+}/resolve/{revision}/{name}", resolve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_TOKEN": "hf_secret"}
+    try:
+        async def fetch(source: str) -> tuple[int, str]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvflow", "tokenizer", "fetch", source, str(tmp_path / "tok"),
+                "--revision", "abc", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await proc.communicate()
+            return proc.returncode or 0, (out + err).decode()
+
+        code, output = await fetch("hf://org/tiny")
+        assert code == 0, output
+        assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+        assert load_tokenizer(tmp_path / "tok").encode("hello") == load_tokenizer(GOLDEN / "tiny-llama-tokenizer").encode("hello")
+        assert ("/org/tiny/resolve/abc/tokenizer.json", "Bearer hf_secret") in seen
+        code, output = await fetch("hf://org/missing")
+        assert code == 1 and "org/missing@abc has no tokenizer.json" in output
+    finally:
+        await runner.cleanup()
