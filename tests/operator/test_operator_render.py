@@ -348,3 +348,22 @@ def test_sim_engines_and_their_router_use_the_builtin_tokenizer() -> None:
     assert router["args"][router["args"].index("--tokenizer") + 1] == "builtin"
     engine = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]["spec"]["containers"][0]
     assert "--tokenizer" not in engine["args"]
+
+
+def test_engine_pods_carry_their_revision_and_llm_d_role() -> None:
+    def labels(body: dict[str, Any], role: str) -> dict[str, str]:
+        pod = by_kind(render(with_uid(body), IMAGES), "Deployment", f"sim-llm-{role}")["spec"]["template"]
+        return dict(pod["metadata"]["labels"])
+
+    body = load("sim.yaml")
+    prefill, decode = labels(body, "prefill"), labels(body, "decode")
+    assert prefill[names.LABEL_REVISION] == decode[names.LABEL_REVISION]  # one revision, both pools
+    assert (prefill["llm-d.ai/role"], decode["llm-d.ai/role"]) == ("prefill", "decode")
+    changed = merged(body, {"spec": {"model": {"name": "other"}}})
+    assert labels(changed, "decode")[names.LABEL_REVISION] != decode[names.LABEL_REVISION]
+    scaled = merged(body, {"spec": {"decode": {"replicas": 5}}})  # not a revision change
+    assert labels(scaled, "decode")[names.LABEL_REVISION] == decode[names.LABEL_REVISION]
+    aggregated = merged(body, {"spec": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}}})
+    assert labels(aggregated, "decode")["llm-d.ai/role"] == "both"
+    # The selector labels stay the operator's whatever the pod template says.
+    assert names.selector_labels(with_uid(body), "decode").items() <= decode.items()
