@@ -6,7 +6,6 @@ every granted verb must be used or be listed in ``GRANTED_FOR_DELEGATION`` (leas
 
 from __future__ import annotations
 
-import re
 import subprocess
 from collections.abc import Iterable
 from typing import Any
@@ -27,6 +26,8 @@ GRANTED_FOR_OTHER_PATHS = {
     *(("gateway.networking.k8s.io", "httproutes", v) for v in ("create", "patch", "delete")),
     *(("autoscaling", "horizontalpodautoscalers", v) for v in ("create", "patch", "delete")),
     *(("keda.sh", "scaledobjects", v) for v in ("list", "create", "patch", "delete")),
+    # Held for the OwnerReferencesPermissionEnforcement admission plugin (blockOwnerDeletion).
+    ("kvflow.io", "llmservices/finalizers", "update"),
     # Leader election: a replica creates the Lease only when none exists yet (the e2e test's
     # first replica does; the lifecycle test runs kopf in-process, without the election).
     ("coordination.k8s.io", "leases", "create"), ("coordination.k8s.io", "leases", "get"),
@@ -43,38 +44,36 @@ RELEASE_NAMESPACE = "kvflow-system"
 Grant = tuple[str, str, str, str | None]  # group, resource, verb, resource name (None: any)
 
 
-def chart_documents() -> list[dict[str, Any]]:
+def chart_documents(*values: str) -> list[dict[str, Any]]:
     """The chart's RBAC objects from ``helm template`` (or the raw templates if helm is missing)."""
     helm = tool("helm")
     if helm is not None:
-        out = subprocess.run([str(helm), "template", "kvflow", str(CHART), "--namespace", RELEASE_NAMESPACE],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([str(helm), "template", "kvflow", str(CHART), "--namespace", RELEASE_NAMESPACE,
+                              *values], check=True, capture_output=True, text=True).stdout
         return [d for d in yaml.safe_load_all(out) if d]
-    # Without helm: the templates with default values, by hand (outer guards go, optional inner
-    # blocks go, template lines go, the release's names are filled in).
-    docs = []
-    for name in ("clusterrole.yaml", "leader-election.yaml"):
-        lines = (CHART / "templates" / name).read_text().splitlines()[1:-1]
-        text = re.sub(r"\{\{-? if .*?\{\{-? end \}\}", "", "\n".join(lines), flags=re.DOTALL)
-        text = text.replace('{{ include "kvflow.fullname" . | quote }}', '"kvflow"')
-        text = text.replace('{{ include "kvflow.fullname" . }}', "kvflow")
-        text = text.replace("{{ .Release.Namespace }}", RELEASE_NAMESPACE)
-        for part in text.split("\n---\n"):
-            docs.append(yaml.safe_load("\n".join(line for line in part.splitlines() if "{{" not in line)))
+    # Without helm: the default values by hand. The operator's rules are a plain YAML file the
+    # ClusterRole includes; the leader-election Role's template loses its guard and template lines.
+    docs: list[dict[str, Any]] = [{"kind": "ClusterRole", "rules": yaml.safe_load(
+        (CHART / "files" / "operator-rules.yaml").read_text())}]
+    lines = (CHART / "templates" / "leader-election.yaml").read_text().splitlines()[1:-1]
+    text = "\n".join(lines).replace('{{ include "kvflow.fullname" . | quote }}', '"kvflow"')
+    text = text.replace('{{ include "kvflow.fullname" . }}', "kvflow").replace("{{ .Release.Namespace }}", RELEASE_NAMESPACE)
+    for part in text.split("\n---\n"):
+        docs.append(yaml.safe_load("\n".join(line for line in part.splitlines() if "{{" not in line)))
     return docs
 
 
-def cluster_role_rules() -> list[dict[str, Any]]:
-    roles = [d for d in chart_documents() if d.get("kind") == "ClusterRole"]
+def cluster_role_rules(*values: str) -> list[dict[str, Any]]:
+    roles = [d for d in chart_documents(*values) if d.get("kind") == "ClusterRole"]
     assert len(roles) == 1, "the chart must render exactly one ClusterRole"
     rules: list[dict[str, Any]] = roles[0]["rules"]
     return rules
 
 
-def namespaced_role_rules() -> dict[str, list[dict[str, Any]]]:
-    """The chart's Roles (leader election), by namespace."""
+def namespaced_role_rules(*values: str) -> dict[str, list[dict[str, Any]]]:
+    """The chart's Roles (leader election; the watched namespaces'), by namespace."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for role in (d for d in chart_documents() if d.get("kind") == "Role"):
+    for role in (d for d in chart_documents(*values) if d.get("kind") == "Role"):
         out.setdefault(role["metadata"]["namespace"], []).extend(role["rules"])
     return out
 

@@ -48,8 +48,8 @@ def test_template_renders_valid_objects(values: list[str]) -> None:
     kinds = sorted(d["kind"] for d in docs)
     expected = ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
                 "PodDisruptionBudget", "Role", "RoleBinding", "ServiceAccount"]
-    if values:
-        expected = sorted(expected + ["ConfigMap", "ServiceMonitor"])
+    if values:  # plus a Role and RoleBinding in each of the two watched namespaces
+        expected = sorted(expected + ["ConfigMap", "ServiceMonitor", "Role", "Role", "RoleBinding", "RoleBinding"])
     assert kinds == expected
     for doc in docs:
         validate(doc)
@@ -100,9 +100,9 @@ def test_values_schema_rejects_bad_values(bad: str) -> None:
 
 def test_manifests_install_yaml_is_the_rendered_chart() -> None:
     rendered = "# Generated from charts/kvflow: helm template kvflow charts/kvflow -n kvflow-system " \
-               "--include-crds\n# Regenerate: KVFLOW_UPDATE_GOLDEN=1 pytest tests/operator\n" + \
+               "--include-crds --set createNamespace=true\n# Regenerate: KVFLOW_UPDATE_GOLDEN=1 pytest tests/operator\n" + \
                helm("template", "kvflow", "charts/kvflow", "--namespace", "kvflow-system",
-                    "--include-crds").stdout
+                    "--include-crds", "--set", "createNamespace=true").stdout
     rendered = rendered.replace(str(ROOT) + "/", "")
     if os.environ.get("KVFLOW_UPDATE_GOLDEN") == "1":
         INSTALL.write_text(rendered)
@@ -132,3 +132,35 @@ def test_watching_namespaces_adds_namespace_rbac() -> None:
     assert rules() == []
     assert rules("--set", "operator.watchNamespaces={llm}") == [
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}]
+
+
+def test_watching_namespaces_grants_only_in_those_namespaces() -> None:
+    import operator_rbac as rbac
+
+    everywhere = rbac.granted(rbac.cluster_role_rules())
+    values = ("--set", "operator.watchNamespaces={llm,team-a}")
+    assert rbac.granted(rbac.cluster_role_rules(*values)) == {("", "namespaces", "list", None),
+                                                              ("", "namespaces", "watch", None)}
+    roles = rbac.namespaced_role_rules(*values)
+    assert {ns: rbac.granted(rules) for ns, rules in roles.items() if ns != "kvflow-system"} == {
+        "llm": everywhere, "team-a": everywhere}
+    bindings = [d for d in template(*values) if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] != "kvflow-system"]
+    assert {b["metadata"]["namespace"] for b in bindings} == {"llm", "team-a"}
+    assert all(b["subjects"] == [{"kind": "ServiceAccount", "name": "kvflow", "namespace": "kvflow-system"}]
+               for b in bindings)
+
+
+def test_owner_references_with_block_owner_deletion_are_allowed() -> None:
+    """OpenShift's OwnerReferencesPermissionEnforcement: setting blockOwnerDeletion on a child
+    needs update on the owner's finalizers."""
+    import operator_rbac as rbac
+
+    assert ("kvflow.io", "llmservices/finalizers", "update", None) in rbac.granted(rbac.cluster_role_rules())
+
+
+def test_install_yaml_creates_its_namespace() -> None:
+    docs = [d for d in yaml.safe_load_all(INSTALL.read_text()) if d]
+    first = next(i for i, d in enumerate(docs) if d["kind"] == "Namespace")
+    assert docs[first]["metadata"]["name"] == "kvflow-system"
+    assert all("namespace" not in d["metadata"] for d in docs[:first]), "kubectl apply creates it first"
+    assert "Namespace" not in {d["kind"] for d in template()}  # helm: --create-namespace instead

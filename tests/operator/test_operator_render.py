@@ -367,3 +367,67 @@ def test_engine_pods_carry_their_revision_and_llm_d_role() -> None:
     assert labels(aggregated, "decode")["llm-d.ai/role"] == "both"
     # The selector labels stay the operator's whatever the pod template says.
     assert names.selector_labels(with_uid(body), "decode").items() <= decode.items()
+
+
+def test_a_named_volume_in_the_pod_template_replaces_the_rendered_one() -> None:
+    body = load("vllm-gpu.yaml")
+    body["spec"]["decode"]["podTemplate"] = {"spec": {
+        "volumes": [{"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-cache"}}],
+        "containers": [{"name": "engine", "env": [{"name": "HF_TOKEN", "value": "plain"}],
+                        "volumeMounts": [{"name": "model-cache", "mountPath": "/models/hf-cache", "subPath": "q"}]}]}}
+    assert crd_errors(body) == []
+    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-decode")
+    validate(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert cache == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-cache"}}  # one source
+    engine = pod["containers"][0]
+    assert [e for e in engine["env"] if e["name"] == "HF_TOKEN"] == [{"name": "HF_TOKEN", "value": "plain"}]
+    mounts = [m for m in engine["volumeMounts"] if m["mountPath"] == "/models/hf-cache"]
+    assert mounts == [{"name": "model-cache", "mountPath": "/models/hf-cache", "subPath": "q"}]
+
+
+def test_cache_pvc_gives_hub_models_a_persistent_cache() -> None:
+    body = load("vllm-gpu.yaml")
+    body["spec"]["model"]["cachePVC"] = "hf-cache"
+    assert crd_errors(body) == []
+    pod = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-decode")["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
+    assert env_of(pod["containers"][0])["HF_HOME"] == "/models/hf-cache"
+
+
+def test_lora_adapters_are_mounted_where_the_engine_loads_them() -> None:
+    body = load("sim.yaml")
+    body["spec"]["engine"]["kind"] = "vllm"
+    body["spec"]["model"] = {"name": "m", "source": "pvc://models/base", "loraAdapters": [
+        {"name": "sql", "source": "pvc://models/adapters/sql"},  # on the model's PVC: no second mount
+        {"name": "chat", "source": "pvc://adapters-pvc/chat"},
+        {"name": "code", "source": "oci://registry.example.com/lora/code:1"},
+        {"name": "hub", "source": "hf://org/hub-lora"}]}
+    assert crd_errors(body) == []
+    objs = render(with_uid(body), IMAGES)
+    deployment = by_kind(objs, "Deployment", "sim-llm-decode")
+    validate(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    modules = engine["args"][engine["args"].index("--lora-modules") + 1:]
+    paths = dict(m.split("=", 1) for m in modules[:4])
+    assert paths == {"sql": "/models/models/adapters/sql", "chat": "/models/adapters-pvc/chat",
+                     "code": "/models/adapters/registry.example.com_lora_code_1", "hub": "org/hub-lora"}
+    mounts = [m["mountPath"] for m in engine["volumeMounts"]]
+    for name in ("sql", "chat", "code"):
+        assert any(paths[name] == m or paths[name].startswith(m + "/") for m in mounts), name
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert sorted(claims) == ["adapters-pvc", "models"]
+    assert any(v.get("image", {}).get("reference") == "registry.example.com/lora/code:1" for v in pod["volumes"])
+    router = config_file(objs, "sim-llm-router", "router.yaml")
+    assert router["loraPaths"] == paths  # vLLM hashes the adapter path into LoRA blocks: the router must agree
+
+
+@pytest.mark.parametrize("unavailable, surge", [(0, 1), (1, 0), (1, 2)])
+def test_rollout_budget_is_the_specs(unavailable: int, surge: int) -> None:
+    body = load("sim.yaml")
+    body["spec"]["rollout"] = {"maxUnavailable": unavailable, "maxSurge": surge}
+    assert crd_errors(body) == []
+    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-decode")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": unavailable, "maxSurge": surge}
