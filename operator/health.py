@@ -14,14 +14,14 @@ from typing import Any
 
 # Container waiting reasons that mean the pod will not come up by itself (the kubelet's words).
 WAITING_REASONS = {
-    "ErrImagePull": "cannot pull its image",
-    "ImagePullBackOff": "cannot pull its image",
-    "InvalidImageName": "has an invalid image name",
-    "ErrImageNeverPull": "has no local image and imagePullPolicy Never",
-    "CrashLoopBackOff": "keeps crashing",
-    "CreateContainerConfigError": "has a container config that cannot be used",
-    "CreateContainerError": "cannot create its container",
-    "RunContainerError": "cannot start its container",
+    "ErrImagePull": "cannot pull the image",
+    "ImagePullBackOff": "cannot pull the image",
+    "InvalidImageName": "cannot use the image name",
+    "ErrImageNeverPull": "cannot find the image locally (imagePullPolicy Never)",
+    "CrashLoopBackOff": "cannot stay up",
+    "CreateContainerConfigError": "cannot use the container config",
+    "CreateContainerError": "cannot create the container",
+    "RunContainerError": "cannot start the container",
 }
 COMPONENT_LABEL = "app.kubernetes.io/component"
 POOLS = ("prefill", "decode")

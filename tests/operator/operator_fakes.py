@@ -31,6 +31,7 @@ class EngineState:
     waiting: float = 0.0
     generated: float = 0.0
     stuck: bool = False  # stuck engines stop counting tokens while requests run
+    blocked: bool = False  # a NetworkPolicy keeps the operator out: /metrics does not answer
 
 
 class FakeEngines:
@@ -60,6 +61,8 @@ class FakeEngines:
         assert request.transport is not None
         ip = request.transport.get_extra_info("sockname")[0]
         state = self.state.setdefault(ip, EngineState())
+        if state.blocked:
+            raise aiohttp.web.HTTPServiceUnavailable()
         if not state.stuck:
             state.generated += 10 if state.running else 0
         text = (

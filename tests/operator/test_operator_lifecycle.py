@@ -211,7 +211,7 @@ async def test_image_pull_failure_is_a_condition_naming_the_pool_then_recovers(h
     condition = await eventually(degraded, what="a Degraded condition")
     assert condition["reason"] == "ImagePullBackOff"
     assert condition["message"].startswith("prefill pool: pod sim-llm-prefill-")
-    assert 'cannot pull its image (ImagePullBackOff): Back-off pulling image "registry.invalid/kvflow:nope"' \
+    assert 'cannot pull the image (ImagePullBackOff): Back-off pulling image "registry.invalid/kvflow:nope"' \
         in condition["message"]
     assert status(h)["phase"] == "Degraded" and status(h)["rollout"]["held"] == ["decode"]
     await eventually(lambda: events(h, "Degraded"), what="a Degraded event")
@@ -246,3 +246,24 @@ async def test_stuck_engines_are_evicted_within_budgets(cluster: Harness) -> Non
         evictions = [e for e in h.k8s.audit if e.subresource == "eviction"]
         assert evictions and not [e for e in h.k8s.audit if e.resource == "pods" and e.verb == "delete"
                                   and e.user_agent.startswith("kvflow-operator")]
+
+
+async def test_unreachable_engines_are_a_condition_not_silence(harness: Harness) -> None:
+    h = harness
+    await h.request("POST", LLMS, sample(h.engines.port), content_type="application/json")
+    await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
+
+    def reachable() -> dict[str, Any]:
+        return next((c for c in status(h).get("conditions", []) if c["type"] == "MetricsReachable"), {})
+
+    assert reachable()["status"] == "True"
+    for pod in engine_pods(h, "decode"):  # as if a NetworkPolicy admitted only the router
+        h.engines.state[pod["status"]["podIP"]].blocked = True
+    condition = await eventually(lambda: reachable().get("status") == "False" and reachable(),
+                                 what="MetricsReachable False")
+    assert condition["reason"] == "ScrapeFailed"
+    assert condition["message"].startswith("no pod of the decode pool answered /metrics for ")
+    assert "NetworkPolicy" in condition["message"] and status(h)["phase"] == "Ready"  # serving is not the issue
+    for state in h.engines.state.values():
+        state.blocked = False
+    await eventually(lambda: reachable().get("status") == "True", what="reachable again")
