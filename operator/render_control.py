@@ -35,7 +35,8 @@ def router_config(svc: LLMService) -> dict[str, Any]:
         "blockSize": spec.engine.block_size,
         "hashSeed": spec.routing.hash_seed,
         "defaultProfile": profile,
-        "kvEvents": {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT},
+        "kvEvents": {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT,
+                     "dataParallelSize": spec.engine.data_parallel_size},
         "pd": {"enabled": spec.disaggregated and spec.routing.scheduler_profile == "pd",
                "threshold": spec.routing.pd_threshold},
         "pool": {"name": names.pool_name(svc), "kubernetes": {

@@ -116,6 +116,24 @@ def test_dashboard_is_valid_json() -> None:
     assert dashboard["uid"] == "kvflow-llmservice" and dashboard["panels"]
 
 
+def test_dashboard_variables_come_from_vllm_metric_labels() -> None:
+    """No kube-state-metrics label allow-list needed: variables read vLLM's own series, and every
+    panel filters on them (model_name is the served model name vLLM and kvflow sim label with)."""
+    import json
+    import re
+
+    dashboard = json.loads((CHART / "dashboards" / "kvflow.json").read_text())
+    queries = {v["name"]: v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"}
+    assert set(queries) == {"namespace", "model"}
+    assert all(re.match(r"label_values\(vllm:", q) for q in queries.values())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            assert 'namespace="$namespace"' in target["expr"] and 'model_name=~"$model"' in target["expr"]
+            assert "kube_" not in target["expr"]
+    golden = (ROOT / "tests" / "golden" / "vllm_metrics.txt").read_text()
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny-llama"}' in golden  # real vLLM has the label
+
+
 def test_rbac_audit_reads_the_same_rules_without_helm(monkeypatch: pytest.MonkeyPatch) -> None:
     import operator_rbac as rbac_audit
 

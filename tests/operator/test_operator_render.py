@@ -431,3 +431,17 @@ def test_rollout_budget_is_the_specs(unavailable: int, surge: int) -> None:
     assert crd_errors(body) == []
     deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-decode")
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": unavailable, "maxSurge": surge}
+
+
+def test_the_router_follows_every_data_parallel_rank() -> None:
+    from kvflow.endpoints import Endpoint
+    from kvflow.router.config import load_config
+
+    body = load("pd-nixl.yaml")
+    body["spec"]["engine"]["dataParallelSize"] = 2
+    objs = render(with_uid(body), IMAGES)
+    engine = by_kind(objs, "Deployment", "llama-pd-decode")["spec"]["template"]["spec"]["containers"][0]
+    assert [(p["name"], p["containerPort"]) for p in engine["ports"] if p["name"].startswith("kv-events")] == [
+        ("kv-events", 5557), ("kv-events-1", 5558)]  # vLLM binds port + rank for each rank
+    config = load_config(config_file(objs, "llama-pd-router", "router.yaml"))
+    assert config.kv_events_addresses(Endpoint("10.1.2.3", 8000)) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
