@@ -47,17 +47,24 @@ class OperatorConfig:
     unreachable_rounds: int = 2
 
 
+def wall_time() -> str:
+    """Now, as Kubernetes writes condition timestamps."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 @dataclasses.dataclass
 class Runtime:
     """Per-process state of the operator: the client, scrape histories, per-object locks.
 
-    Every duration the reconcile path measures comes from ``clock`` (monotonic seconds), so
-    tests can run the operator's time faster than the wall's.
+    Every duration the reconcile path measures comes from ``clock`` (monotonic seconds), and
+    every timestamp it writes from ``wall``: tests can run the operator's time faster than the
+    wall's, and nothing on the reconcile path reads a clock of its own.
     """
 
     config: OperatorConfig
     client: KubeClient | None = None
     clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], str] = wall_time
     histories: dict[tuple[str, str], list[lifecycle.Sample]] = dataclasses.field(default_factory=dict)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     last_full_apply: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -94,8 +101,6 @@ def stamp_applied_hash(obj: Obj) -> None:
     annotations[names.ANNOTATION_APPLIED_HASH] = content_hash(obj)
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def observe(client: KubeClient, svc: LLMService) -> dict[Key, Obj]:
@@ -126,7 +131,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
         desired = render(svc, rt.config.images)
     except InvalidSpecError as exc:
         generation = int((body.get("metadata") or {}).get("generation") or 0)
-        new = status_mod.invalid(generation, str(exc), now=_now(), previous=previous)
+        new = status_mod.invalid(generation, str(exc), now=rt.wall(), previous=previous)
         return Outcome(new, status_mod.transition_events(previous, new))
 
     events: list[Event] = []
@@ -160,7 +165,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
     problems = health.problems(pods, [o for k, o in observed.items() if k[1] == "Deployment"])
     unreachable = {role: rounds for (uid, role), rounds in rt.unreachable.items()
                    if uid == svc.uid and rounds >= rt.config.unreachable_rounds}
-    new = status_mod.compute(svc, decided, observed, now=_now(), previous=previous, error=error,
+    new = status_mod.compute(svc, decided, observed, now=rt.wall(), previous=previous, error=error,
                              problems=problems, unreachable=unreachable)
     return Outcome(new, events + status_mod.transition_events(previous, new))
 

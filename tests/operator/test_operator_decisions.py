@@ -338,3 +338,28 @@ def test_problems_degrade_the_status_without_an_api_error() -> None:
     degraded = next(c for c in result["conditions"] if c["type"] == "Degraded")
     assert result["phase"] == "Degraded" and degraded["reason"] == "ImagePullBackOff"
     assert degraded["message"] == "decode pool: pod sim-llm-decode-x cannot pull the image (ImagePullBackOff): nope"
+
+
+def test_the_reconcile_path_reads_only_the_injected_clocks() -> None:
+    """Durations come from ``Runtime.clock``, timestamps from ``Runtime.wall``: no module on the
+    reconcile path calls a clock itself (only ``wall_time``, the default ``wall``)."""
+    import ast
+    import pathlib
+
+    import kvflow.operator as package
+
+    clocks = {("time", "monotonic"), ("time", "time"), ("time", "perf_counter"), ("datetime", "now"),
+              ("datetime", "utcnow"), ("date", "today")}
+    modules = ["reconcile", "plan", "lifecycle", "status", "health", "render", "render_pools", "render_control",
+               "volumes", "args", "objects", "spec", "names", "scrape"]
+    found = []
+    for module in modules:
+        tree = ast.parse((pathlib.Path(package.__path__[0]) / f"{module}.py").read_text())
+        for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            for call in [n for n in ast.walk(function) if isinstance(n, ast.Call)]:
+                func = call.func
+                if isinstance(func, ast.Attribute):
+                    owner = func.value.attr if isinstance(func.value, ast.Attribute) else getattr(func.value, "id", "")
+                    if (owner, func.attr) in clocks and function.name != "wall_time":
+                        found.append(f"{module}.{function.name}: {owner}.{func.attr}()")
+    assert found == []
