@@ -101,8 +101,6 @@ def stamp_applied_hash(obj: Obj) -> None:
     annotations[names.ANNOTATION_APPLIED_HASH] = content_hash(obj)
 
 
-
-
 async def observe(client: KubeClient, svc: LLMService) -> dict[Key, Obj]:
     """The children that exist now and that this LLMService owns (by label and owner uid)."""
     selector = {names.LABEL_SERVICE: svc.name, "app.kubernetes.io/managed-by": names.FIELD_MANAGER}
@@ -170,7 +168,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
     return Outcome(new, events + status_mod.transition_events(previous, new))
 
 
-def _running_engines(svc: LLMService, pods: list[Obj]) -> list[Obj]:
+def _running_engines(pods: list[Obj]) -> list[Obj]:
     return [p for p in pods if (p["metadata"].get("labels") or {}).get(names.LABEL_ENGINE) == "true"
             and not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("phase") == "Running"]
 
@@ -182,7 +180,7 @@ def _of_role(pods: list[Obj], role: PoolRole) -> list[Obj]:
 async def _lifecycle(rt: Runtime, svc: LLMService, observed: Mapping[Key, Obj],
                      all_pods: list[Obj]) -> tuple[dict[PoolRole, int], list[Event]]:
     assert rt.client is not None
-    pods = _running_engines(svc, all_pods)
+    pods = _running_engines(all_pods)
     metrics: dict[str, dict[str, float]] = {}
     for role in rendered_roles(svc):  # the engine's own port: a decode sidecar may sit in front
         answered = await scrape.scrape_pods(_of_role(pods, role), names.engine_port(svc, role),

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from operator_harness import Harness, eventually
 from operator_rbac import audit_against_chart
-from test_operator_lifecycle import LLMS, NAME, NS, deployment, sample, status
+from test_operator_lifecycle import LLMS, NAME, deployment, sample, status
 
 from kvflow.procs import free_port
 
