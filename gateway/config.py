@@ -38,7 +38,8 @@ class PoolConfig(_Strict):
     router_config: str | dict[str, Any] | None = None
     """A router config file or mapping (kvflow.router.load_config); None: the router's defaults."""
     tokenizer: str | None = None
-    """A local Hugging Face tokenizer folder; None: kvflow's built-in tokenizer."""
+    """A local Hugging Face tokenizer folder, or "builtin"; None: the built-in one, except that a pool
+    following Kubernetes with precise prefix routing refuses to start without one (router/tokenizer_policy.py)."""
     loras: list[str] = Field(default_factory=list)
     """LoRA adapter names the pods serve (vLLM ``--lora-modules``): requests naming one go to
     this pool, with the adapter passed to the router (LoRA affinity)."""

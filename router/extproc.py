@@ -306,26 +306,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.flight.finish()
 
 
-async def serve(router: Router, host: str, port: int, limits: ExtProcLimits | None = None) -> grpc.aio.Server:
-    """Start the ext_proc gRPC server (with gRPC health) and return it; the caller stops it."""
+async def serve(router: Router, host: str, port: int, limits: ExtProcLimits | None = None,
+                credentials: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+    """Start the ext_proc gRPC server (with gRPC health) and return it; the caller stops it.
+
+    ``credentials`` makes the port TLS (``kvflow.router.epp.server_credentials``); None is
+    plaintext.
+    """
+    from kvflow.router.epp import add_health
+
     limits = limits or ExtProcLimits()
     server = grpc.aio.server(options=limits.grpc_options)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router, limits), server)
-    await _add_health(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    await add_health(server)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind the ext_proc server to {host}:{port}")
     await server.start()
     return server
-
-
-async def _add_health(server: grpc.aio.Server) -> None:
-    try:
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    except ImportError:  # grpcio-health-checking is optional
-        log.warning("grpcio-health-checking not installed: no gRPC health service")
-        return
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
-        await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

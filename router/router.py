@@ -149,7 +149,7 @@ class Router:
                 self.precise, self._on_kv_event, self.speculative, self.event_sources, self._on_kv_problem
             )
             for ep in self.datastore.endpoints:
-                self._kv.add(ep, self.config.kv_events_address(ep), self.config.kv_replay_endpoints.get(ep.id))
+                self._kv.add(ep, self.config.kv_events_addresses(ep), self.config.kv_replay_endpoints.get(ep.id))
 
     async def stop(self) -> None:
         if self._watcher is not None:
@@ -332,7 +332,7 @@ class Router:
                 self._scraper.add(endpoint)
             if self._kv is not None:
                 self._kv.add(
-                    endpoint, self.config.kv_events_address(endpoint), self.config.kv_replay_endpoints.get(endpoint.id)
+                    endpoint, self.config.kv_events_addresses(endpoint), self.config.kv_replay_endpoints.get(endpoint.id)
                 )
             return
         self.approx.clear(endpoint.id)

@@ -93,7 +93,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         router = group.start(
             "router",
             kvflow_argv("router", "--config", str(config), "--port", str(grpc_port), "--metrics-port", str(http_port),
-                        "--max-body-bytes", str(MAX_BODY)),
+                        "--max-body-bytes", str(MAX_BODY),
+                        "--grpc-health-port", "0", "--no-secure-serving"),  # Envoy speaks plaintext here
             ready_url=f"http://127.0.0.1:{http_port}/healthz",
         )
         closed, opened, admin = free_port(), free_port(), free_port()

@@ -72,7 +72,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         }))
         grpc_port, http_port = free_port(), free_port()
         group.start("router", kvflow_argv("router", "--config", str(config), "--port", str(grpc_port),
-                                          "--metrics-port", str(http_port)),
+                                          "--metrics-port", str(http_port), "--grpc-health-port", "0",
+                                          "--no-secure-serving"),  # Envoy speaks plaintext here
                     ready_url=f"http://127.0.0.1:{http_port}/healthz")
         listener, admin = free_port(), free_port()
         bootstrap = render([Listener("127.0.0.1", listener)], ("127.0.0.1", grpc_port), pods, admin=("127.0.0.1", admin))
