@@ -183,9 +183,12 @@ class Gateway:
         ex.key = key.name
         body = parse_json(request.body)
         validate(kind, body)
-        found = self.names.get(body["model"])
+        model = body.get("model")
+        if model is None and len(self.pools) == 1:
+            model = next(iter(self.pools))  # as vLLM answers with its one model when none is named
+        found = self.names.get(model)
         if found is None:
-            raise ModelNotFoundError(body["model"])
+            raise ModelNotFoundError(str(model))
         pool, lora = found
         ex.model = pool.model
         self.limiter.check(key.name)
