@@ -279,7 +279,8 @@ async def _stream(request: web.Request, state: SimState, gen: Generation, head: 
         await response.write(opening)
     stall = state.faults.stall_after_tokens
     # like vLLM's detokenizer, hold back text that may turn out to be the start of a stop string
-    holdback = max((len(s) for c in gen.choices for s in c.sampling.stop), default=1) - 1
+    holdback = max((len(s) for c in gen.choices if not c.sampling.include_stop_str_in_output
+                    for s in c.sampling.stop), default=1) - 1
     while True:
         await wake.wait()
         wake.clear()

@@ -108,11 +108,27 @@ def _text_length(text: str, limits: Limits, truncate: int | None) -> None:
             parameter="input_text", value=len(text))
 
 
-def _fit_tokens(ids: list[int], limits: Limits, truncate: int | None, *, from_text: bool) -> list[int]:
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """``truncate_prompt_tokens`` and its side; ``-1`` keeps what leaves room for output."""
+
+    tokens: int | None = None
+    side: str | None = None
+    wants_output: bool = True
+
+    def apply(self, ids: list[int], max_model_len: int) -> list[int]:
+        if self.tokens is None:
+            return ids
+        keep = (max_model_len - 1 if self.wants_output else max_model_len) if self.tokens < 0 else self.tokens
+        if keep >= len(ids):
+            return ids
+        return ids[len(ids) - keep:] if self.side == "left" else ids[:keep]
+
+
+def _fit_tokens(ids: list[int], limits: Limits, truncation: Truncation, *, from_text: bool) -> list[int]:
     """Truncation as vLLM applies it, then the length check (text is cut at max_model_len + 1)."""
-    if truncate is not None:
-        keep = limits.max_model_len - 1 if truncate < 0 else truncate
-        ids = ids[:keep]
+    if truncation.tokens is not None:
+        ids = truncation.apply(ids, limits.max_model_len)
     elif from_text:
         ids = ids[: limits.max_model_len + 1]
     if len(ids) > limits.max_model_len:
@@ -154,15 +170,16 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: Lim
     _truncation_limit(req.truncate_prompt_tokens, limits)
     if not items:
         raise InvalidRequestError("You must pass at least one prompt")
+    truncation = Truncation(req.truncate_prompt_tokens, req.truncation_side, bool(req.max_tokens))
     prompts = []
     for item in items:
         if isinstance(item, str):
             _text_length(item, limits, req.truncate_prompt_tokens)
             ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-            ids = _fit_tokens(ids, limits, req.truncate_prompt_tokens, from_text=True)
+            ids = _fit_tokens(ids, limits, truncation, from_text=True)
             prompts.append(Prompt(ids, item))
         else:
-            ids = _fit_tokens(list(item), limits, req.truncate_prompt_tokens, from_text=False)
+            ids = _fit_tokens(list(item), limits, truncation, from_text=False)
             prompts.append(Prompt(ids, tokenizer.decode(ids, skip_special_tokens=False)))
     return prompts
 
@@ -189,8 +206,9 @@ def chat_prompt(req: ChatCompletionRequest, body: dict[str, Any], tokenizer: Tok
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _output_limit(req.output_limit(), limits, param)
     _truncation_limit(req.truncate_prompt_tokens, limits)
-    ids = chat_token_ids(tokenizer, {**body, "messages": body["messages"]})
-    ids = _fit_tokens(ids, limits, req.truncate_prompt_tokens, from_text=True)
+    ids = chat_token_ids(tokenizer, body)
+    truncation = Truncation(req.truncate_prompt_tokens, req.truncation_side, bool(req.output_limit()))
+    ids = _fit_tokens(ids, limits, truncation, from_text=True)
     return Prompt(ids, "")
 
 
