@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.sim import shapes
-from kvflow.sim.request import SimRequest
+from kvflow.sim.request import SimRequest, Status
 from kvflow.sim.sampler import Sampler
 from kvflow.sim.shapes import Delta, TokenLogprobs
 from kvflow.sim.validation import Prompt, Sampling
@@ -65,10 +65,18 @@ class Generation:
     tokenizer: Tokenizer
     sampler: Sampler
     prompts: list[Prompt] = field(default_factory=list)
+    plain: bool = field(init=False)
+    """Chunks carry only new text (no echo, token ids, logprobs or usage): the byte templates."""
+
+    def __post_init__(self) -> None:
+        o = self.options
+        self.plain = not (o.echo or o.return_token_ids or o.continuous_usage
+                          or any(c.sampling.logprobs is not None or c.sampling.include_stop_str_in_output
+                                 for c in self.choices))
 
     @property
     def finished(self) -> bool:
-        return all(c.req.finished for c in self.choices)
+        return all(c.req.status is Status.FINISHED for c in self.choices)
 
     @property
     def requests(self) -> list[SimRequest]:
@@ -178,39 +186,47 @@ class Generation:
             for c in self.choices:
                 yield fmt.echo(c.index, o.echo_text, usage=use)
 
-    def progress(self, holdback: int) -> Iterator[Delta]:
-        """A delta for every choice with new output since the last call, in index order."""
-        o = self.options
+    def chunks(self, fmt: shapes.StreamFormat, holdback: int) -> bytes:
+        """A chunk for every choice with new output since the last call, in index order."""
+        out = []
+        plain = self.plain
         for c in self.choices:
             r = c.req
             n = len(r.output_ids)
-            if c.finished_sent or (n == c.sent_tokens and not r.finished):
+            finished = r.status is Status.FINISHED
+            if c.finished_sent or (n == c.sent_tokens and not finished):
                 continue
-            text = c.text
-            end = len(text) if r.finished else max(c.sent_text, len(text) - holdback)
-            delta_text, start_tokens = text[c.sent_text:end], c.sent_tokens
+            text = r.text if plain else c.text
+            end = len(text) if finished else max(c.sent_text, len(text) - holdback)
+            delta, start = text[c.sent_text:end], c.sent_tokens
             c.sent_text, c.sent_tokens = end, n
-            d = Delta(c.index, delta_text)
-            if not c.started:
-                c.started = True
-                if o.echo and not o.chat:
-                    prompt_text = "" if o.return_token_ids else c.prompt.text
-                    d.text = prompt_text if self._echo_only(c) else prompt_text + delta_text
-                    d.prompt_token_ids = list(c.prompt.token_ids)
-                elif o.return_token_ids and not o.chat:
-                    d.prompt_token_ids = list(c.prompt.token_ids)
-            if o.return_token_ids:
-                d.token_ids = list(r.output_ids[start_tokens:n])
-            d.logprobs = self._logprobs(c, start_tokens, start_tokens if self._echo_only(c) else n,
-                                        echo_prompt=o.echo and start_tokens == 0)
-            if o.continuous_usage:
-                prompt_tokens = len(c.prompt.token_ids)
-                d.usage = (shapes.chat_chunk_usage if o.chat else shapes.short_usage)(prompt_tokens, n)
-            if r.finished:
-                c.finished_sent = True
-                d.finish_reason, d.stop_reason = r.finish_reason or "abort", r.stop_reason
-                d.fingerprint = not o.include_usage
-            yield d
+            if plain and not finished:  # the hot path: only new text
+                out.append(fmt.plain(c.index, delta))
+            else:
+                out.append(fmt.chunk(self._delta(c, delta, start, n)))
+        return b"".join(out)
+
+    def _delta(self, c: Choice, text: str, start: int, n: int) -> Delta:
+        o, r = self.options, c.req
+        d = Delta(c.index, text)
+        if not c.started:
+            c.started = True
+            if o.echo and not o.chat:
+                prompt_text = "" if o.return_token_ids else c.prompt.text
+                d.text = prompt_text if self._echo_only(c) else prompt_text + text
+                d.prompt_token_ids = list(c.prompt.token_ids)
+            elif o.return_token_ids and not o.chat:
+                d.prompt_token_ids = list(c.prompt.token_ids)
+        if o.return_token_ids:
+            d.token_ids = list(r.output_ids[start:n])
+        d.logprobs = self._logprobs(c, start, start if self._echo_only(c) else n, echo_prompt=o.echo and start == 0)
+        if o.continuous_usage:
+            d.usage = (shapes.chat_chunk_usage if o.chat else shapes.short_usage)(len(c.prompt.token_ids), n)
+        if r.finished:
+            c.finished_sent = True
+            d.finish_reason, d.stop_reason = r.finish_reason or "abort", r.stop_reason
+            d.fingerprint = not o.include_usage
+        return d
 
     def closing(self, fmt: shapes.StreamFormat) -> bytes:
         if not self.options.include_usage:

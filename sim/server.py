@@ -284,7 +284,7 @@ async def _stream(request: web.Request, state: SimState, gen: Generation, head: 
     while True:
         await wake.wait()
         wake.clear()
-        out = b"".join(fmt.chunk(d) for d in gen.progress(holdback))
+        out = gen.chunks(fmt, holdback)
         if gen.finished:
             await response.write_eof(out + gen.closing(fmt) + shapes.DONE)  # one write with the closing chunks
             return response

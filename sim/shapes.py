@@ -197,13 +197,17 @@ class StreamFormat:
         choice = {"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
         return _event(self._top(choice, **({} if usage is None else {"usage": usage})))
 
+    def plain(self, index: int, text: str) -> bytes:
+        """A token chunk with only new text: from the byte templates."""
+        if self.chat:
+            return (self._prefix + str(index).encode() + self._open + dumps(text) + self._mid
+                    + b'null,"token_ids":null}' + self._end + b"}\n\n")
+        return self._prefix + str(index).encode() + self._open + dumps(text) + self._mid + b"null" + self._end \
+            + b"}\n\n"
+
     def chunk(self, d: Delta) -> bytes:
         if d.plain and d.finish_reason is None:
-            if self.chat:
-                return (self._prefix + str(d.index).encode() + self._open + dumps(d.text) + self._mid
-                        + b'null,"token_ids":null}' + self._end + b"}\n\n")
-            return self._prefix + str(d.index).encode() + self._open + dumps(d.text) + self._mid + b"null" \
-                + self._end + b"}\n\n"
+            return self.plain(d.index, d.text)
         if self.chat:
             choice: dict[str, Any] = {"index": d.index, "delta": {"content": d.text}, "logprobs": d.logprobs,
                                       "finish_reason": d.finish_reason}
