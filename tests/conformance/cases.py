@@ -190,6 +190,18 @@ COMPLETIONS = [
     _cmpl("cmpl-vllm-xargs-bad", vllm_xargs={"a": {"b": 1}}),
     _cmpl("cmpl-logprob-token-ids-without-logprobs", logprob_token_ids=[5]),
     _cmpl("cmpl-include-stop-str", stop="zzzz", include_stop_str_in_output=True),
+    # two faults in one request: vLLM's order of checks decides which is reported
+    _cmpl("order-beam-stream-before-model", model="nope", stream=True, use_beam_search=True),
+    _cmpl("order-model-before-prompt", model="nope", prompt=""),
+    _cmpl("order-schema-before-model", model="nope", max_tokens="many"),
+    _cmpl("order-model-before-sampling", model="nope", temperature=5),
+    _cmpl("order-prompt-before-sampling", prompt=list(range(100, 613)), temperature=5),
+    _cmpl("order-context-before-prompt", max_tokens=600, prompt=list(range(100, 613))),
+    _cmpl("order-sampling-before-engine", temperature=5, logprobs=21, prompt=[999999]),
+    _cmpl("order-engine-logprobs-before-prompt", logprobs=21, prompt=[999999]),
+    _chat("order-chat-tools-before-template", tool_choice="required", tools=[{"type": "function",
+          "function": {"name": "f"}}], messages=[]),
+    _chat("order-chat-template-before-sampling", messages=[], temperature=5),
 ]
 
 _SYS = {"role": "system", "content": "You are terse."}
