@@ -100,14 +100,16 @@ def _counters(target: Target) -> dict[str, float]:
 
 def _sibling_deltas(target: Target) -> dict[str, float]:
     before = _counters(target)
-    req = urllib.request.Request(target.url + "/v1/completions", data=json.dumps(GOLDEN["siblings"]["request"]).encode(),
+    body = json.dumps(GOLDEN["siblings"]["request"]).encode()
+    req = urllib.request.Request(target.url + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert len(json.loads(r.read())["choices"]) == 3
     deadline = time.monotonic() + 5
     while True:  # vLLM updates its counters just after the answer
         after = _counters(target)
-        if after["vllm:request_success_total"] - before["vllm:request_success_total"] >= 3 or time.monotonic() > deadline:
+        done = after["vllm:request_success_total"] - before["vllm:request_success_total"] >= 3
+        if done or time.monotonic() > deadline:
             return {k: after[k] - before[k] for k in after}
         time.sleep(0.05)
 
