@@ -26,7 +26,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from kvflow import openai_api
-from kvflow.openai_api import CHAT_CHECKS, COMPLETION_CHECKS, Check, ChatCompletionRequest, CompletionRequest
+from kvflow.openai_api import (
+    CHAT_CHECKS,
+    COMPLETION_CHECKS,
+    Check,
+    ChatCompletionRequest,
+    CompletionRequest,
+    run_checks,
+)
 
 
 class _Untranslatable(Exception):
@@ -146,15 +153,18 @@ def fast_accepts(kind: str, body: dict[str, Any]) -> bool:
     """True when the body is surely valid (vLLM's before-checks raise their 400 here)."""
     model, checks, custom = _FAST[kind]
     data = dict(body)
-    for check in checks:
-        check(data)
-    if not slow_fields(model).isdisjoint(k for k in data if k not in custom):
+    run_checks(checks, data)
+    if not _SLOW[kind].isdisjoint(data):
         return False
     try:
         msgspec.convert(data, struct_for(model), strict=True)
     except msgspec.ValidationError:
         return False
     return all(ok(data.get(name)) for name, ok in custom.items())
+
+
+_SLOW = {kind: slow_fields(model) - custom.keys() for kind, (model, _, custom) in _FAST.items()}
+"""Per endpoint, the fields that send a body to pydantic when set (those without a custom check)."""
 
 
 def validate(kind: str, body: Any) -> None:

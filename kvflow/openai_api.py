@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -128,6 +129,28 @@ def decode_json(raw: bytes) -> Any:
 Check = Callable[[dict[str, Any]], None]
 
 
+def reads(*keys: str) -> Callable[[Check], Check]:
+    """Mark a check as a no-op on a body with none of ``keys``, so it is skipped there."""
+    def mark(check: Check) -> Check:
+        check.reads = frozenset(keys)  # type: ignore[attr-defined]
+        return check
+    return mark
+
+
+def run_checks(checks: tuple[Check, ...], data: dict[str, Any]) -> None:
+    """The checks in order, skipping those that read no key of this body."""
+    keys = data.keys()
+    for needs, check in _plan(checks):
+        if needs is None or not needs.isdisjoint(keys):
+            check(data)
+
+
+@lru_cache(maxsize=16)
+def _plan(checks: tuple[Check, ...]) -> tuple[tuple[frozenset[str] | None, Check], ...]:
+    return tuple((getattr(c, "reads", None), c) for c in checks)
+
+
+@reads("cache_salt")
 def check_cache_salt(data: dict[str, Any]) -> None:
     salt = data.get("cache_salt")
     if salt is None:
@@ -140,6 +163,7 @@ def check_cache_salt(data: dict[str, Any]) -> None:
                                   "'@', '/', '\\\\', or NUL.", parameter="cache_salt")
 
 
+@reads("response_format")
 def check_response_format(data: dict[str, Any]) -> None:
     fmt = data.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and fmt.get("json_schema") is None:
@@ -155,11 +179,13 @@ def _structured_output_kinds(data: dict[str, Any]) -> int:
 _ONE_KIND = "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice')."
 
 
+@reads("structured_outputs")
 def check_structured_outputs(data: dict[str, Any]) -> None:
     if _structured_output_kinds(data) > 1:
         raise VllmValidationError(_ONE_KIND, parameter="structured_outputs")
 
 
+@reads("structured_outputs")
 def check_chat_structured_outputs(data: dict[str, Any]) -> None:
     kinds = _structured_output_kinds(data)
     if kinds > 1:
@@ -186,6 +212,7 @@ def _check_logprob_counts(data: dict[str, Any], top: str) -> None:
         raise VllmValidationError(f"`{top}` must be a positive value or -1.", parameter=top, value=value)
 
 
+@reads("logprob_token_ids", "use_beam_search", "echo", "logprobs", "prompt_logprobs")
 def check_completion_logprobs(data: dict[str, Any]) -> None:
     if data.get("logprob_token_ids") and data.get("use_beam_search"):
         raise VllmValidationError("`logprob_token_ids` is not supported with beam search.",
@@ -202,6 +229,7 @@ def check_completion_logprobs(data: dict[str, Any]) -> None:
     _check_logprob_counts(data, "logprobs")
 
 
+@reads("logprob_token_ids", "use_beam_search", "logprobs", "prompt_logprobs", "top_logprobs")
 def check_chat_logprobs(data: dict[str, Any]) -> None:
     if data.get("logprob_token_ids") and data.get("use_beam_search"):
         raise VllmValidationError("`logprob_token_ids` is not supported with beam search.",
@@ -216,6 +244,7 @@ def check_chat_logprobs(data: dict[str, Any]) -> None:
                                   parameter="top_logprobs")
 
 
+@reads("stream_options")
 def check_stream_options(data: dict[str, Any]) -> None:
     if data.get("stream_options") and not data.get("stream"):
         raise VllmValidationError("Stream options can only be defined when `stream=True`.",
@@ -229,6 +258,7 @@ def check_prompt_present(data: dict[str, Any]) -> None:
                                   parameter="prompt")
 
 
+@reads("prompt", "prompt_embeds")
 def check_prompt_count(data: dict[str, Any]) -> None:
     prompt = data.get("prompt")
     if (isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt)
@@ -244,11 +274,13 @@ def check_prompt_count(data: dict[str, Any]) -> None:
             parameter="prompt_embeds")
 
 
+@reads("continue_final_message")
 def check_generation_prompt(data: dict[str, Any]) -> None:
     if data.get("continue_final_message") and data.get("add_generation_prompt"):
         raise VllmValidationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
 
+@reads("tools", "tool_choice")
 def check_tool_usage(data: dict[str, Any]) -> None:
     if data.get("tools") == []:
         raise VllmValidationError("`tools` must not be an empty array. Either provide at least one tool or omit the "
@@ -281,6 +313,7 @@ def check_tool_usage(data: dict[str, Any]) -> None:
                                       "`tools`", parameter="tool_choice")
 
 
+@reads("messages")
 def check_message_content(data: dict[str, Any]) -> None:
     """Only OpenAI's assistant (and legacy function) messages take ``content: null``."""
     messages = data.get("messages")
@@ -298,11 +331,10 @@ def null_max_tokens_means_default(data: dict[str, Any]) -> None:
         data["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS
 
 
-def _run_checks(checks: Sequence[Check], data: Any) -> Any:
+def _run_checks(checks: tuple[Check, ...], data: Any) -> Any:
     if isinstance(data, dict):
         data = dict(data)  # some checks fill in defaults; the caller's body stays as sent
-        for check in checks:
-            check(data)
+        run_checks(checks, data)
     return data
 
 
