@@ -114,15 +114,24 @@ def sanitize_message(message: str) -> str:
     return message.strip()
 
 
-def decode_json(raw: bytes) -> Any:
-    """The parsed body, or FastAPI's ``json_invalid`` 400 (vLLM's, byte for byte)."""
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or FastAPI's 400 for one that is not JSON or not an object."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         pos = getattr(exc, "pos", 0)
         err = {"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error", "input": {},
                "ctx": {"error": getattr(exc, "msg", str(exc))}}
         raise RequestValidationError.from_errors([err]) from None
+    if not isinstance(body, dict):
+        raise _not_an_object(body)
+    return body  # type: ignore[no-any-return]
+
+
+def _not_an_object(body: Any) -> RequestValidationError:
+    return RequestValidationError.from_errors([{
+        "type": "model_attributes_type", "loc": ("body",),
+        "msg": "Input should be a valid dictionary or object to extract fields from", "input": body}])
 
 
 # -- vLLM's mode="before" checks, on the raw body ---------------------------------------------
@@ -567,9 +576,7 @@ MODELS: dict[str, tuple[type[OpenAIModel], ...]] = {
 def validate(kind: Endpoint, body: Any) -> Any:
     """The typed request, or the 400 vLLM answers for this body."""
     if not isinstance(body, dict):  # FastAPI's error for a JSON body that is not an object
-        raise RequestValidationError.from_errors([{
-            "type": "model_attributes_type", "loc": ("body",),
-            "msg": "Input should be a valid dictionary or object to extract fields from", "input": body}])
+        raise _not_an_object(body)
     errors: list[dict[str, Any]] = []
     for model in MODELS[kind]:
         try:

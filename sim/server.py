@@ -359,7 +359,7 @@ async def get_faults(request: web.Request) -> web.Response:
 
 async def set_faults(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    patch = _admin_body(await request.read())
+    patch = openai_api.decode_json(await request.read())
     state.faults.update(patch)
     if patch.get("crash"):
         log.error("fault injection: crash requested")
@@ -381,7 +381,7 @@ async def sim_state(request: web.Request) -> web.Response:
 
 
 async def kv_pull(request: web.Request) -> web.Response:
-    body = _admin_body(await request.read())
+    body = openai_api.decode_json(await request.read())
     rid = body.get("remote_request_id")
     if not isinstance(rid, str):
         raise InvalidRequestError("remote_request_id must be a string", param="remote_request_id")
@@ -389,11 +389,6 @@ async def kv_pull(request: web.Request) -> web.Response:
     return json_response({"ok": ok, "reason": "" if ok else f"no pinned blocks for {rid}"})
 
 
-def _admin_body(raw: bytes) -> dict[str, Any]:
-    body = openai_api.decode_json(raw)
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return body
 
 
 def build_app(state: SimState) -> web.Application:
