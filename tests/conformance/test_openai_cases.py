@@ -125,15 +125,7 @@ def test_each_choice_is_an_engine_request_of_its_own(sibling_deltas: dict[str, f
     assert sibling_deltas[counter] == GOLDEN["siblings"]["deltas"][counter]
 
 
-SAME_STEP_HITS = pytest.mark.xfail(
-    strict=True, reason="vLLM caches a prompt's blocks when it allocates them, so the later choices of one request "
-    "hit them in the same step; the simulator's scheduler caches them when the step completes (sim/scheduler.py, "
-    "docs/simulator.md)")
-
-
-def test_later_choices_hit_the_first_ones_prompt_blocks(request: pytest.FixtureRequest, target: Target,
-                                                        sibling_deltas: dict[str, float]) -> None:
-    if target.kind == "sim":
-        request.applymarker(SAME_STEP_HITS)
+def test_later_choices_hit_the_first_ones_prompt_blocks(sibling_deltas: dict[str, float]) -> None:
+    """The later choices of one request hit the blocks of the first one's prompt, as in vLLM."""
     counter = "vllm:prefix_cache_hits_total"
     assert sibling_deltas[counter] == GOLDEN["siblings"]["deltas"][counter]
