@@ -244,6 +244,8 @@ def chat_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[int]:
         extra.update({k: v for k, v in body["chat_template_kwargs"].items() if k not in ("chat_template", "tokenize")})
     if isinstance(body.get("documents"), list):
         extra["documents"] = body["documents"]
+    if isinstance(body.get("tools"), list) and body["tools"]:
+        extra["tools"] = body["tools"]  # as vLLM hands them to the template (it may render them)
     text = render_chat(tokenizer, body["messages"], add_generation_prompt=body.get("add_generation_prompt", True),
                        continue_final_message=bool(body.get("continue_final_message")), extra=extra)
     return tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))

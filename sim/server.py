@@ -59,6 +59,7 @@ class SimState:
     fingerprint: str = ""
     load_tracking: bool = False
     """vLLM's ``--enable-server-load-tracking``: ``/load`` counts in-flight generation requests."""
+    tools: validation.ToolConfig = field(default_factory=validation.ToolConfig)
     created: int = field(default_factory=lambda: int(time.time()))
     requests_seen: int = 0
     server_load: int = 0
@@ -155,7 +156,7 @@ async def _chat(request: web.Request, state: SimState, req: ChatCompletionReques
                 body: dict[str, Any]) -> web.StreamResponse:
     model = validation.resolve_model(req.model, state.served_names, list(state.loras))
     limits = state.limits
-    prompt = validation.chat_prompt(req, body, state.tokenizer, limits)
+    prompt = validation.chat_prompt(req, body, state.tokenizer, limits, state.tools)
     params = validation.sampling(req, validation.max_tokens_for(req.output_limit(), len(prompt.token_ids), limits,
                                                                  req.truncate_prompt_tokens))
     role = "assistant" if req.add_generation_prompt else body["messages"][-1]["role"]

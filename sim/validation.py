@@ -184,15 +184,25 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: Lim
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest, body: dict[str, Any], tokenizer: Tokenizer, limits: Limits) -> Prompt:
+@dataclass(frozen=True, slots=True)
+class ToolConfig:
+    """vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (the simulator parses no calls)."""
+
+    auto: bool = False
+    parser: str | None = None
+
+
+def chat_prompt(req: ChatCompletionRequest, body: dict[str, Any], tokenizer: Tokenizer, limits: Limits,
+                tools: ToolConfig = ToolConfig()) -> Prompt:
     """vLLM's ``render_chat`` for a text model: tool and template checks, the template, tokens."""
     choice = req.tool_choice
-    if choice not in (None, "none"):
-        if choice == "auto":
+    if tools.parser is None and choice not in (None, "none"):
+        if choice == "auto" and not tools.auto:
             raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                       "to be set")
-        desc = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
-        raise InvalidRequestError(f"tool_choice={desc} requires --tool-call-parser to be set")
+        if choice != "auto":
+            desc = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
+            raise InvalidRequestError(f"tool_choice={desc} requires --tool-call-parser to be set")
     if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
         raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is not "
                                   "set. Refused request with untrusted chat template.")

@@ -182,3 +182,21 @@ def test_chats_with_parts_no_content_and_developer_render_with_the_builtin_token
                                                           "add_generation_prompt": False, "return_token_ids": True})
     assert (status, body["prompt_token_ids"], body["choices"][0]["message"]["role"]) == (200, tokens["tokens"],
                                                                                           "assistant")
+
+
+def test_tool_choices_take_vllms_tool_flags(sim_pods: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "weather"}}]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools}
+    [plain, tooled] = sim_pods(1, "--profile", "instant") + sim_pods(
+        1, "--profile", "instant", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    status, body = plain.post_json("/v1/chat/completions", chat)  # tools imply tool_choice "auto"
+    assert (status, body["error"]["message"]) == (
+        400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    assert [tooled.post_json("/v1/chat/completions", {**chat, "tool_choice": c})[0]
+            for c in ("auto", "required", {"type": "function", "function": {"name": "weather"}})] == [200] * 3
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_at_start_up() -> None:
+    from kvflow.sim.cli import main
+
+    assert main(["--enable-auto-tool-choice", "--port", "0"]) == 2
