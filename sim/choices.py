@@ -76,7 +76,10 @@ class Generation:
 
     @property
     def finished(self) -> bool:
-        return all(c.req.status is Status.FINISHED for c in self.choices)
+        for c in self.choices:
+            if c.req.status is not Status.FINISHED:
+                return False
+        return True
 
     @property
     def requests(self) -> list[SimRequest]:
@@ -186,14 +189,17 @@ class Generation:
             for c in self.choices:
                 yield fmt.echo(c.index, o.echo_text, usage=use)
 
-    def chunks(self, fmt: shapes.StreamFormat, holdback: int) -> bytes:
-        """A chunk for every choice with new output since the last call, in index order."""
-        out = []
+    def chunks(self, fmt: shapes.StreamFormat, holdback: int) -> tuple[bytes, bool]:
+        """A chunk for every choice with new output since the last call, in index order; and
+        whether every choice has finished."""
+        out = b""
         plain = self.plain
+        done = True
         for c in self.choices:
             r = c.req
             n = len(r.output_ids)
             finished = r.status is Status.FINISHED
+            done = done and finished
             if c.finished_sent or (n == c.sent_tokens and not finished):
                 continue
             text = r.text if plain else c.text
@@ -201,10 +207,10 @@ class Generation:
             delta, start = text[c.sent_text:end], c.sent_tokens
             c.sent_text, c.sent_tokens = end, n
             if plain and not finished:  # the hot path: only new text
-                out.append(fmt.plain(c.index, delta))
+                out += fmt.plain(c.index, delta)
             else:
-                out.append(fmt.chunk(self._delta(c, delta, start, n)))
-        return b"".join(out)
+                out += fmt.chunk(self._delta(c, delta, start, n))
+        return out, done
 
     def _delta(self, c: Choice, text: str, start: int, n: int) -> Delta:
         o, r = self.options, c.req

@@ -285,8 +285,8 @@ async def _stream(request: web.Request, state: SimState, gen: Generation, head: 
     while True:
         await wake.wait()
         wake.clear()
-        out = gen.chunks(fmt, holdback)
-        if gen.finished:
+        out, finished = gen.chunks(fmt, holdback)
+        if finished:
             await response.write_eof(out + gen.closing(fmt) + shapes.DONE)  # one write with the closing chunks
             return response
         if out:
