@@ -356,7 +356,8 @@ CHAT_CHECKS: tuple[Check, ...] = (
     check_generation_prompt, check_tool_usage, check_chat_structured_outputs, check_chat_logprobs, check_stream_options,
     check_response_format, check_cache_salt, check_message_content,
 )
-"""vLLM's ``ChatCompletionRequest`` before-validators, in the order pydantic runs them."""
+"""vLLM's ``ChatCompletionRequest`` before-validators, in the order pydantic runs them, then the
+null-content rule vLLM's message union holds and kvflow's one loose message model does not."""
 TOKENIZE_CHAT_CHECKS: tuple[Check, ...] = (check_generation_prompt, check_message_content)
 
 
