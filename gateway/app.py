@@ -188,9 +188,12 @@ class Gateway:
         validate(kind, body)
         if client_kv_params(body, self.config.client_kv_transfer_params):
             request.body = encode(body)  # forwarded without them
-        found = self.names.get(body["model"])
+        model = body.get("model")
+        if model is None and len(self.pools) == 1:
+            model = next(iter(self.pools))  # as vLLM answers with its one model when none is named
+        found = self.names.get(model)
         if found is None:
-            raise ModelNotFoundError(body["model"])
+            raise ModelNotFoundError(str(model))
         pool, lora = found
         ex.model = pool.model
         self.limiter.check(key.name)

@@ -136,7 +136,7 @@ class FakePod:
                                       "kv_transfer_params": {"remote_engine_id": "engine-secret",
                                                              "remote_host": "10.1.2.3", "remote_port": 5600}})
         if not body.get("stream"):
-            return web.json_response({"id": "c", "object": "text_completion", "model": body["model"],
+            return web.json_response({"id": "c", "object": "text_completion", "model": body.get("model", "tiny"),
                                       "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}],
                                       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -56,7 +56,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             host = f"127.0.0.{150 + i}"
             port = free_port(host)
             argv = kvflow_argv("sim", "--host", host, "--port", str(port), "--profile", "fast", "--model", MODEL,
-                               "--lora-modules", f"{ADAPTER}=/adapters/{ADAPTER}")
+                               "--lora-modules", f"{ADAPTER}=/adapters/{ADAPTER}",
+                               "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # tools, as vLLM
             group.start(f"sim{i}", argv, env={"PYTHONHASHSEED": "0"}, ready_url=f"http://{host}:{port}/health")
             pods.append(Endpoint(host, port))
         # both routers: the same pool, and a profile that depends on nothing but what each has routed
