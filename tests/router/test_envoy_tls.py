@@ -60,7 +60,7 @@ def bootstrap(ports: list[int], routers: list[tuple[int, dict[str, Any]]], pods:
               admin: int) -> dict[str, Any]:
     """``render``'s bootstrap, with one ext_proc cluster (and TLS settings) per listener."""
     config = render([Listener("127.0.0.1", p) for p in ports], ("127.0.0.1", routers[0][0]), pods,
-                    admin=("127.0.0.1", admin))
+                    admin=("127.0.0.1", admin), expose_picked_endpoint=True)  # the tests read the pick
     clusters = config["static_resources"]["clusters"]
     template = next(c for c in clusters if c["name"] == "router")
     clusters.remove(template)
@@ -73,7 +73,8 @@ def bootstrap(ports: list[int], routers: list[tuple[int, dict[str, Any]]], pods:
         cluster["transport_socket"] = socket
         clusters.append(cluster)
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["http_filters"][0]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = cluster["name"]
+        ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+        ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = cluster["name"]
     return config
 
 
