@@ -118,9 +118,9 @@ def test_saturation_sheds_when_all_are_over() -> None:
             {"lora": "ad"},
             {"2": 1.0, "3": 0.8, "4": 0.0},
         ),
-        ("lora-affinity-scorer", [view(2)], {}, {"2": 1.0}),
+        ("lora-affinity-scorer", [view(2), view(3)], {}, {}),  # no adapter: every pod alike, it abstains
     ],
-    ids=["queue", "running", "active", "kv-cache", "lora", "no-lora"],
+    ids=["queue", "running", "active", "kv-cache", "lora", "no-lora-abstains"],
 )
 def test_scorers(type_name, views, kw, expected) -> None:  # type: ignore[no-untyped-def]
     got = plugin(type_name).score(cycle(**kw), views)
@@ -147,7 +147,7 @@ def test_session_affinity_remembers_the_pick() -> None:
 
     scorer = plugin("session-affinity-scorer", header="X-Session")
     c = cycle(headers={"x-session": "s1"})
-    assert set(scorer.score(c, [view(2), view(3)]).values()) == {0.0}
+    assert scorer.score(c, [view(2), view(3)]) == {}  # a new session: every pod alike, it abstains
     scorer.request_started(c.request, SchedulingResult("p", (view(3).endpoint,), None, 0))
     assert list(scorer.score(c, [view(2), view(3)]).values()) == [0.0, 1.0]
 
