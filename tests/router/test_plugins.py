@@ -185,3 +185,22 @@ def test_precise_scorer_keeps_an_evicted_prefix_at_home() -> None:
     )[1]
     assert list(scorer.score(c, [view(2), view(3), view(4)]).values()) == [0.5, 0.25, 0.0]
     assert c.data["prefix:precise"] == {view(3).id: 1}  # what P/D and cached_tokens believe stays exact
+
+
+def test_a_profile_clamps_scores_counts_missing_endpoints_as_zero_and_skips_abstainers() -> None:
+    from kvflow.router.framework import Profile
+
+    class Fixed:
+        def __init__(self, name: str, scores: dict[str, float]) -> None:
+            self.name, self.scores = name, scores
+
+        def score(self, cycle, endpoints):  # type: ignore[no-untyped-def]
+            return {ep.id: self.scores[ep.id.split(":")[0].rsplit(".", 1)[1]] for ep in endpoints
+                    if ep.id.split(":")[0].rsplit(".", 1)[1] in self.scores}
+
+    wild = Fixed("wild", {"2": 7.0, "3": -3.0})  # out of range, and nothing for pod 4
+    silent = Fixed("silent", {})  # abstains
+    profile = Profile("p", (), ((wild, 2.0), (silent, 5.0)), plugin("max-score-picker", maxTargets=3))
+    run = profile.run(cycle(), [view(2), view(3), view(4)])
+    assert {k.split(":")[0].rsplit(".", 1)[1]: v for k, v in run.totals.items()} == {"2": 2.0, "3": 0.0, "4": 0.0}
+    assert dict(run.scores[view(2).id]) == {"wild": 1.0} and ids(run.targets)[0] == "2"
