@@ -7,8 +7,9 @@ the GPU's steps. The simulator keeps that separation in time rather than in a se
 
 * A step starts when the previous one ends in simulated time or, when the engine was idle or
   blocked, when the work that woke it arrived; it lasts the profile's modelled time. Its tokens
-  carry the step's end as their time (``first_token_at``, TTFT/ITL/e2e in the metrics) however
-  late the event loop gets round to delivering them, and are never delivered before it.
+  carry the step's end as their time (``first_token_at``, TTFT/ITL/e2e in the metrics, the KV
+  events' batch time) however late the event loop gets round to delivering them, and are not
+  delivered before it (give or take the clock's timer resolution, 1 ms on uvloop).
 * Outside events (a new request, a finished KV pull, blocks released by a transfer, an abort)
   are stamped with the clock when they happen and take effect at the first step boundary at or
   after their stamp, so a step planned late, while the engine catches up after a stall, sees
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -153,7 +155,7 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         ok = self.scheduler.pool.reset()
-        self._flush_events()
+        self._flush_events(self.clock.now())
         return ok
 
     def gauges(self) -> EngineGauges:
@@ -341,7 +343,10 @@ class Engine:
             self.metrics.pd_fallbacks.inc()
         self._post(self.clock.now(), lambda at: self.scheduler.remote_done(req, ok, at))
 
-    def _flush_events(self) -> None:
+    def _flush_events(self, at: float | None = None) -> None:
+        """Publish the pool's events, stamped with the simulated time they happened at (``at``,
+        default the engine's now: vLLM stamps a batch when its step ends), as Unix time."""
         events = self.scheduler.pool.take_events()
         if events and self.publisher is not None:
-            self.publisher.publish(events)
+            happened = self._now if at is None else at
+            self.publisher.publish(events, ts=time.time() - (self.clock.now() - happened))
