@@ -42,6 +42,8 @@ class PoolConfig(_Strict):
     loras: list[str] = Field(default_factory=list)
     """LoRA adapter names the pods serve (vLLM ``--lora-modules``): requests naming one go to
     this pool, with the adapter passed to the router (LoRA affinity)."""
+    max_model_len: int | None = Field(None, gt=0)
+    """The pods' context length (``/v1/models``): longer prompts are refused with a 400 here."""
 
     @field_validator("endpoints", "prefill_endpoints")
     @classmethod

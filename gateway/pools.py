@@ -57,7 +57,9 @@ def build_router(config: PoolConfig) -> PoolRouter:
         source = {**(source or {}), "pool": {**pool, **(source or {}).get("pool", {})}}
     router_config = load_config(source)
     tokenizer = load_tokenizer(config.tokenizer)
-    router: PoolRouter = Router(router_config, config.all_endpoints(), profile=config.profile, tokenizer=tokenizer)
+    router = Router(router_config, config.all_endpoints(), profile=config.profile, tokenizer=tokenizer)
+    if router_config.max_prompt_tokens is None and config.max_model_len:
+        router.max_prompt_tokens = config.max_model_len  # vLLM's own limit, known before a pod refuses
     return router
 
 

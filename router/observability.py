@@ -58,6 +58,12 @@ class RouterMetrics:
         self.kv_events = Counter(
             "kvflow_router_kv_events", "KV events applied", ["pool", "endpoint", "type"], registry=r
         )
+        self.kv_event_problems = Counter(
+            "kvflow_router_kv_event_problems",
+            "KV-event batches dropped as malformed (bad_batch) and subscriber restarts (restart)",
+            ["pool", "endpoint", "kind"],
+            registry=r,
+        )
         self.index_blocks = Gauge(
             "kvflow_router_prefix_index_blocks", "Distinct blocks in a prefix index", ["pool", "index"], registry=r
         )

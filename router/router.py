@@ -145,7 +145,9 @@ class Router:
             self._watcher = PodWatcher(self.config.kubernetes, self.set_endpoints)
             await self._watcher.start()
         if self.config.kv_events_enabled:
-            self._kv = KvEventSubscriber(self.precise, self._on_kv_event, self.speculative, self.event_sources)
+            self._kv = KvEventSubscriber(
+                self.precise, self._on_kv_event, self.speculative, self.event_sources, self._on_kv_problem
+            )
             for ep in self.datastore.endpoints:
                 self._kv.add(ep, self.config.kv_events_address(ep), self.config.kv_replay_endpoints.get(ep.id))
 
@@ -308,6 +310,9 @@ class Router:
 
     def _on_kv_event(self, endpoint_id: str, kind: str) -> None:
         self.metrics.kv_events.labels(self.config.pool_name, endpoint_id, kind).inc()
+
+    def _on_kv_problem(self, endpoint_id: str, kind: str) -> None:
+        self.metrics.kv_event_problems.labels(self.config.pool_name, endpoint_id, kind).inc()
 
     def _on_endpoint_change(self, endpoint: Endpoint, added: bool) -> None:
         if added:
