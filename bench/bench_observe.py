@@ -271,7 +271,7 @@ def plot(runs: dict[str, dict[str, Any]]) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("\n(matplotlib is not installed: no plot)")
+        print("\n(no plot: matplotlib is not installed; pip install -e '.[bench]')")
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, what, title in ((axes[0], "ttft", "time to first token"), (axes[1], "itl", "inter-token latency")):
