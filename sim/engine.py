@@ -19,9 +19,9 @@ the GPU's steps. The simulator keeps that separation in time rather than in a se
   the missed steps back to back, one per loop turn, at their simulated times.
 * A process further behind than ``max_lag_s`` is overloaded rather than stalled (its own work
   per step exceeds the modelled step): simulated time then slips forward to now, and the slip is
-  counted (``slipped_seconds``, ``kvflow_sim:engine_slip_seconds_total``). The default allows 8
-  of the profile's minimal steps, at most 50 ms; the ``instant`` profile, whose steps take no
-  time, runs at the wall clock.
+  counted (``slipped_seconds``, ``kvflow_sim:engine_slip_seconds_total``). The default allows 16
+  of the profile's minimal steps, at most 100 ms (``--engine-max-lag``); the ``instant`` profile,
+  whose steps take no time, runs at the wall clock.
 
 The engine is also the ``KVHost`` a ``KVTransfer`` attaches to: pinned blocks of exported
 prefill requests, and the tokens each block holds. Transfers are real I/O and take wall time.
@@ -50,8 +50,8 @@ from kvflow.sim.scheduler import Scheduler, StepPlan
 log = logging.getLogger(__name__)
 
 
-MAX_LAG_S = 0.05
-LAG_STEPS = 8
+MAX_LAG_S = 0.1
+LAG_STEPS = 16
 
 
 def default_max_lag(profile: Profile) -> float:
@@ -92,6 +92,8 @@ class Engine:
         self.faults = faults or Faults()
         self.clock: Clock = clock or MonotonicClock()
         self.max_lag_s = default_max_lag(profile) if max_lag_s is None else max_lag_s
+        if not self.max_lag_s >= 0:
+            raise ValueError(f"the engine's max lag must be a number of seconds >= 0, got {max_lag_s}")
         self.block_size = scheduler.config.block_size
         self.num_blocks = scheduler.config.num_blocks
         self.bytes_per_block = bytes_per_block
