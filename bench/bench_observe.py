@@ -51,7 +51,8 @@ SHARED_PREFIXES = 8
 def prompt(rng: random.Random) -> list[int]:
     """One of a few 512-token shared system prompts, then a unique question of 32-256 tokens."""
     group = rng.randrange(SHARED_PREFIXES)
-    return [1000 + 512 * group + i for i in range(512)] + [rng.randrange(10, 30000) for _ in range(rng.randrange(32, 257))]
+    question = [rng.randrange(10, 30000) for _ in range(rng.randrange(32, 257))]
+    return [1000 + 512 * group + i for i in range(512)] + question
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -219,7 +220,8 @@ def loaded(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             order = list(conditions) if r % 2 == 0 else list(reversed(conditions))
             for name in order:
                 cfg = {"host": HOST, "port": port, "kv": kv, "clients": args.clients, "warmup": 2.0,
-                       "duration": args.duration, "scrape": conditions[name], "seed": r, "out": f"{tmp}/{r}-{name}.json"}
+                       "duration": args.duration, "scrape": conditions[name], "seed": r,
+                       "out": f"{tmp}/{r}-{name}.json"}
                 before, cpu0 = pod_counters(url), cpu_seconds(pod.popen.pid)
                 subprocess.run(pin(1) + [sys.executable, __file__, "--generate", json.dumps(cfg)], check=True,
                                timeout=args.duration + 120)
