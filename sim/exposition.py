@@ -186,6 +186,9 @@ class Family(Generic[C]):
     def labels(self, *values: str) -> C:
         child = self.children.get(values)
         if child is None:
+            values = tuple(str(v) for v in values)  # as prometheus_client does
+            if values in self.children:
+                return self.children[values]
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
             child = self.children[values] = self._child(list(zip(self.labelnames, values, strict=True)))

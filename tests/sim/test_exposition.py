@@ -83,6 +83,7 @@ def test_counters_only_go_up_and_labels_must_match() -> None:
         c.labels("x").inc(-1)
     with pytest.raises(ValueError, match="takes labels"):
         c.labels("x", "y")
+    assert c.labels(1) is c.labels("1")  # type: ignore[arg-type]  # label values become strings
 
 
 def test_a_prometheus_client_collector_renders_in_its_place() -> None:
