@@ -66,7 +66,7 @@ class Step:
     end: float
 
 
-Apply = Callable[[float], None]
+Apply = Callable[[float], object]
 """An outside event's effect on the scheduler, given the event's stamp."""
 
 

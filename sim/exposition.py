@@ -77,6 +77,7 @@ class CounterChild:
 
 class GaugeChild:
     __slots__ = ("_function", "_line", "value")
+    created_line: ClassVar[str] = ""  # a gauge has no _created series
 
     def __init__(self, name: str, labels: str) -> None:
         self.value = 0.0
@@ -203,7 +204,7 @@ class Family(Generic[C]):
         out.extend(child.render() for child in children)
         if self.has_created and children:
             out.append(self._created_head)
-            out.extend(child.created_line for child in children)  # type: ignore[union-attr]
+            out.extend(child.created_line for child in children)
 
     def collect(self) -> Metric:
         raise NotImplementedError

@@ -261,10 +261,10 @@ class HeldPull(NoTransfer):
 
     def __init__(self) -> None:
         super().__init__(TransferConfig())
-        self.release = asyncio.Event()
+        self.finish = asyncio.Event()
 
     async def pull(self, params: dict[str, Any], local_block_ids: list[int], token_ids: list[int]) -> PullResult:
-        await self.release.wait()
+        await self.finish.wait()
         return PullResult(True, 0.5, 0)
 
 
@@ -278,7 +278,7 @@ async def test_a_kv_pull_that_ends_while_the_engine_waits_restarts_the_timeline_
         req.notify = done.set
         engine.submit(req)
         clock.set(2.0)  # the pull takes two seconds of wall time
-        transfer.release.set()
+        transfer.finish.set()
         await done.wait()
         assert req.first_token_at == 2.0 + prefill(1)  # only the last prompt token is recomputed
     finally:
