@@ -38,8 +38,9 @@ _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 INF = float("inf")
 
-fmt = floatToGoString
-"""Prometheus' number format (Go's, e.g. ``1.234567e+06``), as generate_latest writes numbers."""
+def fmt(value: float) -> str:
+    """Prometheus' number format (Go's, e.g. ``1.234567e+06``), as generate_latest writes numbers."""
+    return floatToGoString(value)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def _escape(value: str) -> str:
@@ -309,10 +310,10 @@ class Registry:
     def register(self, family: Family[C] | Renderable | Collector) -> None:
         if isinstance(family, Family) and any(isinstance(f, Family) and f.name == family.name for f in self.families):
             raise ValueError(f"duplicate metric family {family.name}")
-        self.families.append(family)  # type: ignore[arg-type]
+        self.families.append(family)
 
     def unregister(self, family: Family[C] | Renderable | Collector) -> None:
-        self.families.remove(family)  # type: ignore[arg-type]
+        self.families.remove(family)
 
     def render(self) -> str:
         out: list[str] = []
