@@ -27,6 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvflow.hashing import external_int
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.throttle import ThrottledLog
 from kvflow.endpoints import Endpoint, EndpointId
@@ -69,7 +70,7 @@ def _ext(h: Any) -> int:
     if isinstance(h, (bytes, bytearray)):
         if not 0 < len(h) <= 64:
             raise BadEvent(f"block hash of {len(h)} bytes")
-        return int.from_bytes(bytes(h)[-8:], "big")
+        return external_int(h)
     if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 64:
         raise BadEvent(f"block hash {h!r:.40} is not a 64-bit unsigned int or a digest")
     return h
@@ -147,7 +148,7 @@ def apply(
                 speculative.clear(endpoint)
             continue
         if speculative is not None:
-            speculative.index.remove(endpoint, event.block_hashes)
+            speculative.discard(endpoint, event.block_hashes)
 
 
 Counted = Callable[[EndpointId, str], None]

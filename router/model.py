@@ -90,7 +90,7 @@ class LoadCounter:
     prefilling: int = 0
     """Of those, requests not yet known to have produced a first token."""
     tokens: int = 0
-    """Prompt tokens of every request in flight: their KV blocks, as far as the router knows."""
+    """KV the requests in flight added there (prompt tokens not already cached), as far as the router knows."""
     dispatched: int = 0
     """Requests sent there since the metrics were scraped: load the metrics cannot show yet."""
     in_flight_at_scrape: int = 0

@@ -307,6 +307,7 @@ class Router:
     def _on_metrics(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         if metrics.num_blocks:
             self.approx.set_capacity(endpoint.id, metrics.num_blocks)
+            self.precise.set_capacity(endpoint.id, metrics.num_blocks)
 
     def _on_kv_event(self, endpoint_id: str, kind: str) -> None:
         self.metrics.kv_events.labels(self.config.pool_name, endpoint_id, kind).inc()

@@ -2,7 +2,8 @@
 
 One estimate weighs cache against load, in one unit (prompt tokens of prefill work)::
 
-    work(pod) = queued(pod) + uncached(pod) + steps × (stepTokens + decoding(pod) × decodeTokens)
+    work(pod) = queued(pod) + uncached(pod) + copyWeight × copied(pod)
+              + steps × (stepTokens + decoding(pod) × decodeTokens)
 
 * ``queued``: prefill work already waiting there: this router's requests as a first-in
   first-out queue of uncached tokens draining at the pod's prefill rate, cut short by first
@@ -10,6 +11,10 @@ One estimate weighs cache against load, in one unit (prompt tokens of prefill wo
   each counted at the mean work of this router's own;
 * ``uncached``: the prompt tokens the pod does not hold (the precise prefix index with recently
   routed blocks, or the approximate one for a pod that sends no KV events);
+* ``copied``: prompt tokens another pod holds and this one would compute again: the capacity a
+  new copy of a prefix takes from every later request (the request's own wait for it is already
+  in ``uncached``), so a prefix is copied when its home is busy, not when two of its requests
+  merely arrive together;
 * ``steps``: engine steps the prefill spans (chunked prefill takes ``batchTokens`` a step), each
   costing a fixed ``stepTokens`` plus a token's worth per decoding request in the batch.
 
@@ -42,6 +47,9 @@ class TtftParams(NoParams):
     """A decoding request's share of a step, in prompt tokens of prefill work."""
     batch_tokens: int = Field(default=8192, alias="batchTokens", gt=0)
     """Prompt tokens one engine step prefills (vLLM's ``max_num_batched_tokens``)."""
+    copy_weight: float = Field(default=1.0, alias="copyWeight", ge=0)
+    """Extra cost per token of a prefix computed again where another pod already holds it: the
+    capacity the copy takes from everyone else (its own wait is already in the estimate)."""
 
 
 @register("ttft-scorer", "scorer")
@@ -54,6 +62,7 @@ class TtftScorer:
         self.ctx = ctx
         self.decode_tokens = params.decode_tokens
         self.batch_tokens = params.batch_tokens
+        self.copy_weight = params.copy_weight
         self.step_tokens = ctx.step_tokens
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> dict[EndpointId, float]:
@@ -64,13 +73,16 @@ class TtftScorer:
         speeds = [ep.counter.seconds_per_token for ep in endpoints if ep.counter.seconds_per_token > 0]
         default_speed = statistics.median(speeds) if speeds else 0.0
         bs, step, per_decode, batch = cycle.block_size, self.step_tokens, self.decode_tokens, self.batch_tokens
-        now = cycle.now
+        now, copy_weight = cycle.now, self.copy_weight
+        best_cached = max((matches.get(ep.id, 0) for ep in endpoints), default=0) * bs
         out: dict[EndpointId, float] = {}
         for ep in endpoints:
             counter = ep.counter
-            uncached = max(1, prompt - matches.get(ep.id, 0) * bs)
+            cached = matches.get(ep.id, 0) * bs
+            uncached = max(1, prompt - cached)
             foreign = ep.foreign_waiting
             work = counter.queued(now) + (foreign * mean_work if foreign else 0.0) + uncached
+            work += copy_weight * (best_cached - cached)
             steps = 1 + work // batch
             work += steps * (step + ep.decoding * per_decode)
             out[ep.id] = work * (counter.seconds_per_token or default_speed or 1.0 / counter.rate)
