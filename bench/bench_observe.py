@@ -1,19 +1,22 @@
 """Is the simulator changed by being observed? (issue 10, item 1)
 
-    kvflow bench observe [--duration 10] [--rounds 2] [--idle-seconds 30] [--skip loaded timeline idle]
+    kvflow bench observe [--duration 10] [--rounds 4] [--idle-seconds 30] [--pin]
+                         [--skip loaded timeline idle render]
 
 Four tables, and bench/out/observe_cdf.png:
 
 1. A loaded pod as clients see it. One ``kvflow sim`` (h100-llama8b, KV events on, a subscriber
-   connected), 64 streaming clients in a separate load-generator process, with and without a
-   20 Hz /metrics scrape (rounds alternate the two, to spread drift on a busy machine).
-   Client-measured TTFT and inter-token latency (mean/p50/p90/p99) and scraped/unscraped ratios,
-   plus what the pod itself reports: engine steps and timeline slip (from its /metrics) and CPU.
+   connected), 64 streaming clients in a load-generator process, with and without a 20 Hz
+   /metrics scrape from a process of its own (as a router's would be); rounds alternate the two
+   conditions, to spread drift on a busy machine. Client-measured TTFT and inter-token latency
+   (mean/p50/p90/p99) and scraped/unscraped ratios, plus what the pod itself reports: engine
+   steps, timeline slip (from its /metrics) and CPU. ``--pin`` pins the pod to CPU 0 and the
+   clients and scraper to CPU 1 (steadier on a quiet machine, worse on a shared one).
 2. The timeline, engine view. The same seeded burst of 256 requests run in-process on the real
    clock (after one warm-up run), while the event loop is kept busy by: nothing; at 20 Hz the
    fast /metrics render, prometheus_client's generate_latest of the same families (what the
-   render used to be), a 15 ms stall (the old render's cost on a loaded pod, issue 10); and at
-   2 Hz a 60 ms stall (beyond the engine's 48 ms tolerance: the timeline slips, and says so).
+   render used to be), a 15 ms stall (the old render's cost on a loaded pod, issue 10); and once a
+   second a 150 ms stall (beyond the engine's 96 ms tolerance: the timeline slips, and says so).
    Steps, simulated busy time and every token's simulated time are identical to the undisturbed
    run whenever the stalls stay within the tolerance.
 3. Idle cost: an idle pod with KV events on, CPU share over --idle-seconds (/proc/<pid>/stat),
@@ -51,7 +54,8 @@ SHARED_PREFIXES = 8
 def prompt(rng: random.Random) -> list[int]:
     """One of a few 512-token shared system prompts, then a unique question of 32-256 tokens."""
     group = rng.randrange(SHARED_PREFIXES)
-    return [1000 + 512 * group + i for i in range(512)] + [rng.randrange(10, 30000) for _ in range(rng.randrange(32, 257))]
+    question = [rng.randrange(10, 30000) for _ in range(rng.randrange(32, 257))]
+    return [1000 + 512 * group + i for i in range(512)] + question
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -159,8 +163,6 @@ async def generate(cfg: dict[str, Any]) -> dict[str, Any]:
     tasks = [stream_client(cfg["host"], cfg["port"], cfg["seed"] * 1000 + i, measure_from, deadline, out)
              for i in range(cfg["clients"])]
     tasks.append(kv_subscriber(cfg["kv"], deadline, batches))
-    if cfg["scrape"]:
-        tasks.append(scraper(cfg["host"], cfg["port"], deadline, out["scrapes"]))
     await asyncio.gather(*tasks)
     return {**out, "kv_batches": batches[0], "elapsed": time.monotonic() - start}
 
@@ -171,6 +173,16 @@ def generator_main(cfg_json: str) -> None:
     cfg = json.loads(cfg_json)
     result = uvloop.run(generate(cfg))
     Path(cfg["out"]).write_text(json.dumps(result))
+
+
+def scraper_main(cfg_json: str) -> None:
+    """A scraper of its own (as a router is): GET /metrics at 20 Hz until the deadline."""
+    import uvloop
+
+    cfg = json.loads(cfg_json)
+    latencies: list[float] = []
+    uvloop.run(scraper(cfg["host"], cfg["port"], time.monotonic() + cfg["seconds"], latencies))
+    Path(cfg["out"]).write_text(json.dumps(latencies))
 
 
 # -- the pod from outside ------------------------------------------------------------------
@@ -190,13 +202,13 @@ def pod_counters(url: str) -> dict[str, float]:
     return {want[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in want}
 
 
-def pin(cpu: int) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if (os.cpu_count() or 1) >= 2 else []
+def pin(cpu: int, args: argparse.Namespace) -> list[str]:
+    return ["taskset", "-c", str(cpu)] if args.pin and (os.cpu_count() or 1) >= 2 else []
 
 
-def start_pod(group: ProcessGroup) -> tuple[Any, str, str]:
+def start_pod(group: ProcessGroup, args: argparse.Namespace) -> tuple[Any, str, str]:
     port, kv_port = free_port(HOST), free_port()
-    pod = group.start("sim", pin(0) + kvflow_argv(
+    pod = group.start("sim", pin(0, args) + kvflow_argv(
         "sim", "--host", HOST, "--port", str(port), "--profile", "h100-llama8b",
         "--kv-events-endpoint", f"tcp://*:{kv_port}", "--kv-events-topic", "kv@bench"),
         ready_url=f"http://{HOST}:{port}/health")
@@ -210,21 +222,32 @@ def loaded(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                                            "cpu": 0.0, "seconds": 0.0, "steps": 0.0, "slip": 0.0, "tokens": 0.0}
                                        for c in conditions}
     with tempfile.TemporaryDirectory() as tmp, ProcessGroup(Path(tmp)) as group:
-        pod, url, kv = start_pod(group)
+        pod, url, kv = start_pod(group, args)
         port = int(url.rsplit(":", 1)[1])
         warm = {"host": HOST, "port": port, "kv": kv, "clients": args.clients, "warmup": 3.0, "duration": 0.0,
                 "scrape": False, "seed": 99, "out": f"{tmp}/warm-up.json"}
-        subprocess.run(pin(1) + [sys.executable, __file__, "--generate", json.dumps(warm)], check=True, timeout=120)
+        subprocess.run(pin(1, args) + [sys.executable, __file__, "--generate", json.dumps(warm)], check=True,
+                       timeout=120)
         for r in range(args.rounds):
             order = list(conditions) if r % 2 == 0 else list(reversed(conditions))
             for name in order:
                 cfg = {"host": HOST, "port": port, "kv": kv, "clients": args.clients, "warmup": 2.0,
-                       "duration": args.duration, "scrape": conditions[name], "seed": r, "out": f"{tmp}/{r}-{name}.json"}
+                       "duration": args.duration, "scrape": conditions[name], "seed": r,
+                       "out": f"{tmp}/{r}-{name}.json"}
                 before, cpu0 = pod_counters(url), cpu_seconds(pod.popen.pid)
-                subprocess.run(pin(1) + [sys.executable, __file__, "--generate", json.dumps(cfg)], check=True,
+                scrape = None
+                if conditions[name]:
+                    scrape_cfg = {"host": HOST, "port": port, "seconds": cfg["warmup"] + args.duration,
+                                  "out": f"{tmp}/{r}-scrapes.json"}
+                    scrape = subprocess.Popen(pin(1, args) + [sys.executable, __file__, "--scrape",
+                                                              json.dumps(scrape_cfg)])
+                subprocess.run(pin(1, args) + [sys.executable, __file__, "--generate", json.dumps(cfg)], check=True,
                                timeout=args.duration + 120)
                 cpu, after = cpu_seconds(pod.popen.pid) - cpu0, pod_counters(url)
                 result = json.loads(Path(cfg["out"]).read_text())
+                if scrape is not None:
+                    scrape.wait(timeout=60)
+                    result["scrapes"] = json.loads(Path(scrape_cfg["out"]).read_text())
                 run = runs[name]
                 run["ttft"] += result["ttft"]
                 run["itl"] += result["itl"]
@@ -271,7 +294,7 @@ def plot(runs: dict[str, dict[str, Any]]) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("\n(matplotlib is not installed: no plot)")
+        print("\n(no plot: matplotlib is not installed; pip install -e '.[bench]')")
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, what, title in ((axes[0], "ttft", "time to first token"), (axes[1], "itl", "inter-token latency")):
@@ -283,7 +306,7 @@ def plot(runs: dict[str, dict[str, Any]]) -> Path | None:
         ax.set_ylabel("fraction of samples")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower right")
     fig.suptitle("kvflow sim (h100-llama8b), 64 streaming clients: with and without a 20 Hz /metrics scrape")
     fig.tight_layout()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -323,7 +346,7 @@ async def timeline_run(kind: str) -> dict[str, Any]:
     stalls = {"nothing": (lambda: None, SCRAPE_HZ), "fast /metrics render, 20 Hz": (metrics.render, SCRAPE_HZ),
               "generate_latest (the old render path), 20 Hz": (lambda: generate_latest(reference), SCRAPE_HZ),
               "a 15 ms stall, 20 Hz": (lambda: busy_for(0.015), SCRAPE_HZ),
-              "a 60 ms stall, 2 Hz": (lambda: busy_for(0.060), 2.0)}
+              "a 150 ms stall, 1 Hz": (lambda: busy_for(0.150), 1.0)}
     stall, hz = stalls[kind]
     rng = random.Random(42)
     hash_config = HashConfig(16, "0", "sha256")
@@ -370,7 +393,7 @@ def timeline() -> dict[str, dict[str, Any]]:
     import uvloop
 
     kinds = ["nothing", "fast /metrics render, 20 Hz", "generate_latest (the old render path), 20 Hz",
-             "a 15 ms stall, 20 Hz", "a 60 ms stall, 2 Hz"]
+             "a 15 ms stall, 20 Hz", "a 150 ms stall, 1 Hz"]
     uvloop.run(timeline_run("nothing"))  # warm-up: imports, allocator, block-hash caches
     results = {kind: uvloop.run(timeline_run(kind)) for kind in kinds}
     base = results["nothing"]
@@ -388,12 +411,13 @@ def timeline() -> dict[str, dict[str, Any]]:
 
 
 # -- 3. idle cost; 4. render cost -------------------------------------------------------------
-def idle(seconds: float) -> None:
+def idle(args: argparse.Namespace) -> None:
     import uvloop
 
+    seconds = args.idle_seconds
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ProcessGroup(Path(tmp)) as group:
-        pod, url, _ = start_pod(group)
+        pod, url, _ = start_pod(group, args)
         port = int(url.rsplit(":", 1)[1])
         time.sleep(1.0)
         for label, scrape in (("no scrape", False), ("20 Hz scrape", True)):
@@ -445,14 +469,19 @@ def render_cost(metrics: Any) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per loaded round and condition")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--idle-seconds", type=float, default=30.0)
     p.add_argument("--skip", nargs="*", default=[], choices=("loaded", "timeline", "idle", "render"))
+    p.add_argument("--pin", action="store_true", help="pin the pod to CPU 0 and the clients and scraper to CPU 1")
     p.add_argument("--generate", help=argparse.SUPPRESS)
+    p.add_argument("--scrape", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.generate:
         generator_main(args.generate)
+        return
+    if args.scrape:
+        scraper_main(args.scrape)
         return
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (preliminary on a shared machine)")
     if "loaded" not in args.skip:
@@ -466,7 +495,7 @@ def main() -> None:
         if "render" not in args.skip:
             render_cost(results["nothing"]["metrics"])
     if "idle" not in args.skip:
-        idle(args.idle_seconds)
+        idle(args)
 
 
 if __name__ == "__main__":

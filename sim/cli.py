@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     a("--kv-pin-timeout", type=float, default=DEFAULT_PIN_TIMEOUT_S)
     a("--kv-block-bytes", type=int, default=4096, help="bytes of 'KV' per block a real transfer moves")
     a("--nixl-side-channel-port", type=int, default=None)
+    a("--engine-max-lag", type=float, default=None, metavar="SECONDS",
+      help="how far the engine may fall behind its timeline before simulated time slips "
+           "(default: 16 of the profile's minimal steps, at most 0.1 s)")
     a("--fault-fail-rate", type=float, default=0.0)
     a("--fault-stall-after", type=int, default=None)
     a("--fault-slow-factor", type=float, default=1.0)
@@ -120,7 +123,7 @@ def build_state(args: argparse.Namespace) -> SimState:
         publisher = ZmqPublisher(args.kv_events_endpoint, topic=args.kv_events_topic,
                                  replay_endpoint=args.kv_events_replay_endpoint, own_host=args.host)
     engine = Engine(scheduler, profile, transfer=_transfer(args, profile), metrics=metrics, publisher=publisher,
-                    faults=faults, bytes_per_block=args.kv_block_bytes)
+                    faults=faults, bytes_per_block=args.kv_block_bytes, max_lag_s=args.engine_max_lag)
     metrics.bind(engine.gauges())
     seed = os.environ.get("PYTHONHASHSEED", VLLM_UNSET_SEED)  # vLLM's NONE_HASH seed
     return SimState(

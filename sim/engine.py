@@ -7,8 +7,9 @@ the GPU's steps. The simulator keeps that separation in time rather than in a se
 
 * A step starts when the previous one ends in simulated time or, when the engine was idle or
   blocked, when the work that woke it arrived; it lasts the profile's modelled time. Its tokens
-  carry the step's end as their time (``first_token_at``, TTFT/ITL/e2e in the metrics) however
-  late the event loop gets round to delivering them, and are never delivered before it.
+  carry the step's end as their time (``first_token_at``, TTFT/ITL/e2e in the metrics, the KV
+  events' batch time) however late the event loop gets round to delivering them, and are not
+  delivered before it (give or take the clock's timer resolution, 1 ms on uvloop).
 * Outside events (a new request, a finished KV pull, blocks released by a transfer, an abort)
   are stamped with the clock when they happen and take effect at the first step boundary at or
   after their stamp, so a step planned late, while the engine catches up after a stall, sees
@@ -18,9 +19,9 @@ the GPU's steps. The simulator keeps that separation in time rather than in a se
   the missed steps back to back, one per loop turn, at their simulated times.
 * A process further behind than ``max_lag_s`` is overloaded rather than stalled (its own work
   per step exceeds the modelled step): simulated time then slips forward to now, and the slip is
-  counted (``slipped_seconds``, ``kvflow_sim:engine_slip_seconds_total``). The default allows 8
-  of the profile's minimal steps, at most 50 ms; the ``instant`` profile, whose steps take no
-  time, runs at the wall clock.
+  counted (``slipped_seconds``, ``kvflow_sim:engine_slip_seconds_total``). The default allows 16
+  of the profile's minimal steps, at most 100 ms (``--engine-max-lag``); the ``instant`` profile,
+  whose steps take no time, runs at the wall clock.
 
 The engine is also the ``KVHost`` a ``KVTransfer`` attaches to: pinned blocks of exported
 prefill requests, and the tokens each block holds. Transfers are real I/O and take wall time.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,8 +50,8 @@ from kvflow.sim.scheduler import Scheduler, StepPlan
 log = logging.getLogger(__name__)
 
 
-MAX_LAG_S = 0.05
-LAG_STEPS = 8
+MAX_LAG_S = 0.1
+LAG_STEPS = 16
 
 
 def default_max_lag(profile: Profile) -> float:
@@ -64,7 +66,7 @@ class Step:
     end: float
 
 
-Apply = Callable[[float], None]
+Apply = Callable[[float], object]
 """An outside event's effect on the scheduler, given the event's stamp."""
 
 
@@ -90,6 +92,8 @@ class Engine:
         self.faults = faults or Faults()
         self.clock: Clock = clock or MonotonicClock()
         self.max_lag_s = default_max_lag(profile) if max_lag_s is None else max_lag_s
+        if not self.max_lag_s >= 0:
+            raise ValueError(f"the engine's max lag must be a number of seconds >= 0, got {max_lag_s}")
         self.block_size = scheduler.config.block_size
         self.num_blocks = scheduler.config.num_blocks
         self.bytes_per_block = bytes_per_block
@@ -153,7 +157,7 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         ok = self.scheduler.pool.reset()
-        self._flush_events()
+        self._flush_events(self.clock.now())
         return ok
 
     def gauges(self) -> EngineGauges:
@@ -341,7 +345,10 @@ class Engine:
             self.metrics.pd_fallbacks.inc()
         self._post(self.clock.now(), lambda at: self.scheduler.remote_done(req, ok, at))
 
-    def _flush_events(self) -> None:
+    def _flush_events(self, at: float | None = None) -> None:
+        """Publish the pool's events, stamped with the simulated time they happened at (``at``,
+        default the engine's now: vLLM stamps a batch when its step ends), as Unix time."""
         events = self.scheduler.pool.take_events()
         if events and self.publisher is not None:
-            self.publisher.publish(events)
+            happened = self._now if at is None else at
+            self.publisher.publish(events, ts=time.time() - (self.clock.now() - happened))

@@ -147,10 +147,11 @@ class ZmqPublisher:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._pub.recv(), connect_timeout)
 
-    def publish(self, events: list[Any]) -> None:
+    def publish(self, events: list[Any], *, ts: float | None = None) -> None:
+        """One batch; ``ts`` (Unix time, default now) is when the step that made the events ended."""
         if not events:
             return
-        payload = encode_batch(events)
+        payload = encode_batch(events, ts=ts)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

@@ -20,7 +20,7 @@ import re
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import (
@@ -38,8 +38,9 @@ _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 INF = float("inf")
 
-fmt = floatToGoString
-"""Prometheus' number format (Go's, e.g. ``1.234567e+06``), as generate_latest writes numbers."""
+def fmt(value: float) -> str:
+    """Prometheus' number format (Go's, e.g. ``1.234567e+06``), as generate_latest writes numbers."""
+    return floatToGoString(value)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def _escape(value: str) -> str:
@@ -77,6 +78,7 @@ class CounterChild:
 
 class GaugeChild:
     __slots__ = ("_function", "_line", "value")
+    created_line: ClassVar[str] = ""  # a gauge has no _created series
 
     def __init__(self, name: str, labels: str) -> None:
         self.value = 0.0
@@ -168,7 +170,8 @@ class Family(Generic[C]):
     sample_suffix: ClassVar[str] = ""
     has_created: ClassVar[bool] = True
 
-    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (), *, registry: Registry | None = None) -> None:
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (), *,
+                 registry: Registry | None = None) -> None:
         if not _METRIC_NAME.match(name) or not all(_LABEL_NAME.match(n) for n in labelnames):
             raise ValueError(f"invalid metric or label name in {name}{list(labelnames)}")
         self.name = name
@@ -185,6 +188,9 @@ class Family(Generic[C]):
     def labels(self, *values: str) -> C:
         child = self.children.get(values)
         if child is None:
+            values = tuple(str(v) for v in values)  # as prometheus_client does
+            if values in self.children:
+                return self.children[values]
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
             child = self.children[values] = self._child(list(zip(self.labelnames, values, strict=True)))
@@ -199,7 +205,7 @@ class Family(Generic[C]):
         out.extend(child.render() for child in children)
         if self.has_created and children:
             out.append(self._created_head)
-            out.extend(child.created_line for child in children)  # type: ignore[union-attr]
+            out.extend(child.created_line for child in children)
 
     def collect(self) -> Metric:
         raise NotImplementedError
@@ -211,7 +217,8 @@ class Counter(Family[CounterChild]):
     kind = "counter"
     sample_suffix = "_total"
 
-    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (), *, registry: Registry | None = None) -> None:
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (), *,
+                 registry: Registry | None = None) -> None:
         super().__init__(name.removesuffix("_total"), doc, labelnames, registry=registry)
 
     def _child(self, pairs: list[tuple[str, str]]) -> CounterChild:
@@ -259,7 +266,8 @@ class Histogram(Family[HistogramChild]):
         for key, child in self.children.items():
             buckets = [(fmt(b), acc) for b, acc in zip(self.bounds, child.cumulative(), strict=True)]
             family.add_metric(key, buckets, child.sum)
-            family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, key)), child.created))
+            family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, key, strict=True)),
+                                         child.created))
         return family
 
 
@@ -273,32 +281,47 @@ class Summary(Family[SummaryChild]):
         family = SummaryMetricFamily(self.name, self.doc, labels=self.labelnames)
         for key, child in self.children.items():
             family.add_metric(key, child.count, child.sum)
-            family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, key)), child.created))
+            family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, key, strict=True)),
+                                         child.created))
         return family
 
 
 AnyFamily = Family[CounterChild] | Family[GaugeChild] | Family[HistogramChild] | Family[SummaryChild]
 
 
+class Renderable(Protocol):
+    """A group of families rendered on the fast path (``kvflow.sim.nixl_metrics.NixlMetrics``)."""
+
+    def render(self) -> str: ...
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
 class Registry:
     """Families in registration order; a prometheus_client ``Collector`` as well (``collect``).
 
-    Any other prometheus_client collector may join (``kvflow.sim.nixl_metrics`` does): its
-    families are rendered in their place by ``generate_latest``, the slow path."""
+    A ``Renderable`` (something with its own fast ``render``) may join, and so may any other
+    prometheus_client collector, whose families are then rendered in their place by
+    ``generate_latest``, the slow path."""
 
     def __init__(self) -> None:
-        self.families: list[AnyFamily | Collector] = []
+        self.families: list[AnyFamily | Renderable | Collector] = []
 
-    def register(self, family: Family[C] | Collector) -> None:
+    def register(self, family: Family[C] | Renderable | Collector) -> None:
         if isinstance(family, Family) and any(isinstance(f, Family) and f.name == family.name for f in self.families):
             raise ValueError(f"duplicate metric family {family.name}")
-        self.families.append(family)  # type: ignore[arg-type]
+        self.families.append(family)
+
+    def unregister(self, family: Family[C] | Renderable | Collector) -> None:
+        self.families.remove(family)
 
     def render(self) -> str:
         out: list[str] = []
         for family in self.families:
             if isinstance(family, Family):
                 family.render(out)
+            elif hasattr(family, "render"):
+                out.append(family.render())
             else:
                 out.append(generate_latest(family).decode())
         return "".join(out)

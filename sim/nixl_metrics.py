@@ -10,16 +10,18 @@ bytes histogram's ``_sum`` the bytes moved), and the counters ``vllm:nixl_num_fa
 fallbacks to local prefill by reason, handshakes, content verification, pinned exports, and
 lease heartbeats (sent by decode pods, received and leases extended by prefill pods).
 
-``NixlMetrics`` owns a private registry and is itself a collector, so the simulator's
-``/metrics`` includes it with ``sim_registry.register(transfer.metrics)``.
+``NixlMetrics`` owns a private registry of ``kvflow.sim.exposition`` families and renders it, so the
+simulator's ``/metrics`` includes it, on its fast path, with ``sim_registry.register(transfer.metrics)``;
+it is also a prometheus_client collector (``collect``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
+
+from kvflow.sim.exposition import Counter, Gauge, Histogram, HistogramChild, Registry
 
 XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 POST_TIME_BUCKETS = (0.001, *XFER_TIME_BUCKETS)
@@ -30,10 +32,10 @@ FALLBACK_REASONS = ("bad_params", "prefill_unreachable", "transfer_timeout", "tr
 
 class NixlMetrics:
     def __init__(self, model_name: str = "", engine: str = "0", pinned: Callable[[], int] = lambda: 0) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = Registry()
         r, names, values = self.registry, ["model_name", "engine"], [model_name, engine]
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> HistogramChild:
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*values)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -84,6 +86,9 @@ class NixlMetrics:
                                        "Pinned exports whose expiry a heartbeat moved later.").labels(*values)
         Gauge("kvflow_sim:nixl_pinned_exports", "Prefill requests whose blocks wait for a decode pull.",
               names, registry=r).labels(*values).set_function(lambda: float(pinned()))
+
+    def render(self) -> str:
+        return self.registry.render()
 
     def collect(self) -> Iterator[Metric]:
         """Makes this object a prometheus_client collector for another registry."""

@@ -283,8 +283,11 @@ class NixlTransfer:
 
     async def stop(self) -> None:
         await self._stop_heartbeats()
-        for task in [*self._handshakes.values(), *self._notifs]:
+        pending = [*self._handshakes.values(), *self._notifs]
+        for task in pending:
             task.cancel()
+        # a cancelled handshake closes its socket only when it next runs: before term(), or term() waits forever
+        await asyncio.gather(*pending, return_exceptions=True)
         for timer in self._pins.values():
             timer.cancel()
         self._pins.clear()

@@ -36,7 +36,7 @@ needs_nixl = pytest.mark.skipif(not _nixl_importable(), reason="nixl is not inst
 
 
 def sample(metric: Any) -> float:
-    return float(metric._value.get())
+    return float(metric.value)
 
 
 async def until(predicate: Any, timeout: float = 3.0) -> None:

@@ -15,11 +15,11 @@ TOKENS = list(range(100, 140))  # 40 tokens: 3 blocks of 16, the last one partia
 
 
 def sample(metric: Any) -> float:
-    return float(metric._value.get())
+    return float(metric.value)
 
 
 def hist_count(metric: Any) -> float:
-    return float(sum(b.get() for b in metric._buckets))
+    return float(metric.count)
 
 
 async def until(predicate: Any, timeout: float = 3.0) -> None:
@@ -56,7 +56,7 @@ async def test_a_pull_reads_exactly_what_prefill_wrote_then_frees_it(nixl_pods: 
     await until(lambda: p_host.unpinned == ["req-1"])
     assert sample(prefill.metrics.released["notified"]) == 1
     assert hist_count(decode.metrics.xfer_time) == 1
-    assert decode.metrics.bytes._sum.get() == 3 * 4096
+    assert decode.metrics.bytes.sum == 3 * 4096
     assert sample(decode.metrics.blocks_verified) == 3
     assert sample(decode.metrics.handshakes["ok"]) == 1
 

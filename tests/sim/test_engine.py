@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from kvflow.sim.clock import FakeClock
 from kvflow.sim.engine import Engine, default_max_lag
 from kvflow.sim.kv_transfer import NoTransfer, PullResult, TransferConfig
@@ -125,13 +127,18 @@ def test_an_idle_engine_parks_and_its_next_step_starts_when_work_arrives() -> No
 
 def test_a_process_too_far_behind_slips_its_timeline_and_counts_the_slip() -> None:
     engine, clock = make_engine()
-    assert engine.max_lag_s == default_max_lag(H100) == 0.048  # 8 steps of 6 ms
+    assert engine.max_lag_s == default_max_lag(H100) == 0.096  # 16 steps of 6 ms
     engine.submit(make_request("a", list(range(8)), max_tokens=3))
     t1 = engine.poll()
     assert t1 is not None
     clock.set(t1 + 0.2)
     assert engine.poll() == t1 + 0.2 + decode(8)  # the next step starts now, not 200 ms ago
     assert math.isclose(engine.slipped_seconds, 0.2)
+
+
+def test_a_negative_lag_tolerance_is_refused() -> None:
+    with pytest.raises(ValueError, match="max lag must be a number of seconds >= 0, got -1"):
+        Engine(make_scheduler(), H100, transfer=NoTransfer(TransferConfig()), max_lag_s=-1)
 
 
 def test_the_instant_profile_keeps_no_timeline_its_steps_happen_when_polled() -> None:
@@ -181,7 +188,7 @@ def test_the_timeline_is_the_same_however_late_the_loop_polls() -> None:
     rng = random.Random(7)
     calm, busy = workload(1), workload(1)
     on_time = replay(calm, lambda: 0.0)
-    stalled = replay(busy, lambda: rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 0.03)]))
+    stalled = replay(busy, lambda: rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 0.09)]))
 
     def timeline(arrivals: list[tuple[float, SimRequest]]) -> list[tuple[Any, ...]]:
         return [(r.arrival, r.scheduled_at, r.first_token_at, r.finished_at, r.output_ids, r.num_preemptions)
@@ -254,10 +261,10 @@ class HeldPull(NoTransfer):
 
     def __init__(self) -> None:
         super().__init__(TransferConfig())
-        self.release = asyncio.Event()
+        self.finish = asyncio.Event()
 
     async def pull(self, params: dict[str, Any], local_block_ids: list[int], token_ids: list[int]) -> PullResult:
-        await self.release.wait()
+        await self.finish.wait()
         return PullResult(True, 0.5, 0)
 
 
@@ -271,7 +278,7 @@ async def test_a_kv_pull_that_ends_while_the_engine_waits_restarts_the_timeline_
         req.notify = done.set
         engine.submit(req)
         clock.set(2.0)  # the pull takes two seconds of wall time
-        transfer.release.set()
+        transfer.finish.set()
         await done.wait()
         assert req.first_token_at == 2.0 + prefill(1)  # only the last prompt token is recomputed
     finally:

@@ -83,6 +83,7 @@ def test_counters_only_go_up_and_labels_must_match() -> None:
         c.labels("x").inc(-1)
     with pytest.raises(ValueError, match="takes labels"):
         c.labels("x", "y")
+    assert c.labels(1) is c.labels("1")  # type: ignore[arg-type]  # label values become strings
 
 
 def test_a_prometheus_client_collector_renders_in_its_place() -> None:
@@ -100,3 +101,17 @@ def test_a_prometheus_client_collector_renders_in_its_place() -> None:
     assert text.encode() == reference(r)
     assert text.index("before 1.0") < text.index('vllm:nixl_num_failed_transfers_total{model_name="m"} 2.0') \
         < text.index("after 2.0")
+    r.unregister(foreign)  # a NIXL transfer leaves when it stops
+    assert "nixl" not in r.render()
+
+
+def test_a_group_with_its_own_fast_render_renders_in_its_place() -> None:
+    from kvflow.sim.nixl_metrics import NixlMetrics
+
+    nixl = NixlMetrics("m")
+    nixl.bytes.observe(4096)
+    r = Registry()
+    Gauge("before", "d", registry=r).labels().set(1)
+    r.register(nixl)
+    assert r.render().encode() == reference(r)
+    assert 'vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 4096.0' in r.render()
