@@ -3,7 +3,9 @@
 import subprocess
 import sys
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from kvflow.tokenizer import BuiltinTokenizer, load_tokenizer, prompt_token_ids
 
@@ -53,3 +55,13 @@ def test_prompt_token_ids(body, expected):
 def test_missing_tokenizer_folder_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.text(alphabet=st.sampled_from(["a", "b", "é", "1", "_", " ", ".", ",", "\n", "\t", "ß", "中"]),
+                          max_size=40))
+def test_builtin_fast_path_gives_the_same_pieces_as_the_regex(text: str) -> None:
+    from kvflow.tokenizer import _PIECE, BuiltinTokenizer
+
+    fast, reference = BuiltinTokenizer(), BuiltinTokenizer()
+    assert fast.encode(text, add_special_tokens=False) == [reference._piece_id(p) for p in _PIECE.findall(text)]
