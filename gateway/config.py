@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvflow.endpoints import Endpoint, Role, parse_host_port
+from kvflow.gateway.batch.config import BatchConfig
 
 
 class _Strict(BaseModel):
@@ -104,6 +105,8 @@ class GatewayConfig(_Strict):
     timeouts: TimeoutConfig = TimeoutConfig()
     flow: FlowConfig = FlowConfig()
     auth: AuthConfig = AuthConfig()
+    batch: BatchConfig = BatchConfig()
+    """The Batch API (/v1/files, /v1/batches): where its database lives, how lines use idle capacity."""
     access_log: bool = True
     workers: int = Field(1, ge=1, le=64)
     """Processes sharing the port (SO_REUSEPORT); flow-control limits hold per worker."""

@@ -15,7 +15,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
@@ -188,3 +188,71 @@ class Gate:
 
 def _shed(why: str) -> RateLimitError:
     return RateLimitError(f"too many requests: {why}; retry later", retry_after=1.0)
+
+
+# --- the batch band: capacity that interactive traffic leaves ------------------------------
+#
+# Batch lines (the Batch API) do not queue in ``Gate``: they are sent only while ``batch_room``
+# says the pool has room for them, which it decides from what the gateway and the router
+# already know: the gate's interactive in-flight and waiting counts, and per pod the router's
+# in-flight count and the engine's scraped queue and KV-cache use.
+
+
+@dataclass(frozen=True, slots=True)
+class PodLoad:
+    """One pod as the batch band sees it."""
+
+    waiting: int
+    """Requests queued in the engine (scraped ``vllm:num_requests_waiting``)."""
+    kv_usage: float
+    """Fraction of the engine's KV cache in use (scraped)."""
+    healthy: bool = True
+
+    def open(self, limits: BandLimits) -> bool:
+        """Whether the pod can take more work without queueing it or evicting KV blocks."""
+        return self.healthy and self.waiting <= limits.max_waiting and self.kv_usage <= limits.max_kv_usage
+
+
+@dataclass(frozen=True, slots=True)
+class BandLimits:
+    per_pod: int = 128
+    """Batch lines in flight per pod while no interactive request is around: enough to keep a
+    continuously batching engine full (the engine's queue and KV use stop it earlier)."""
+    busy_per_pod: int = 4
+    """Batch lines in flight per pod while interactive requests are around."""
+    max_waiting: int = 0
+    """A pod with more requests than this queued in its engine is full: no batch line goes there."""
+    max_kv_usage: float = 0.85
+    """A pod whose KV cache is fuller than this is full (new lines would cause preemptions)."""
+    quiet_s: float = 1.0
+    """Interactive traffic counts as around for this long after it was last seen."""
+
+
+def batch_room(pods: Sequence[PodLoad], batch_inflight: int, limits: BandLimits, *, interactive: bool,
+               interactive_waiting: int) -> int:
+    """How many more batch lines may start now on a pool (pure).
+
+    ``batch_inflight``: the pool's batch lines already sent; ``interactive``: interactive traffic
+    is around; ``interactive_waiting``: interactive requests queued in the gateway's gate.
+    The router spreads the lines over the pods by load, so the room is counted per pool: each
+    open pod adds its share, a full one (queueing, KV nearly used up, unhealthy) adds none.
+    """
+    if interactive_waiting:  # interactive requests queue in the gateway: nothing is left over
+        return 0
+    share = limits.busy_per_pod if interactive else limits.per_pod
+    return max(0, share * sum(1 for pod in pods if pod.open(limits)) - batch_inflight)
+
+
+class InteractiveWatch:
+    """Whether interactive traffic is around: seen in flight within the last ``quiet_s`` seconds."""
+
+    __slots__ = ("quiet_s", "_last")
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self._last = float("-inf")
+
+    def around(self, inflight: int, now: float) -> bool:
+        if inflight > 0:
+            self._last = now
+        return now - self._last < self.quiet_s

@@ -3,7 +3,8 @@
     KvflowError                    500 InternalServerError
      ├── InvalidRequestError       400 BadRequestError       malformed JSON, bad or missing fields
      ├── AuthenticationError       401 AuthenticationError   missing or unknown API key
-     ├── ModelNotFoundError        404 NotFoundError         no pool serves the model
+     ├── NotFoundError             404 NotFoundError         no such file or batch (the Batch API)
+     │    └── ModelNotFoundError   404 NotFoundError         no pool serves the model
      ├── PayloadTooLargeError      413 BadRequestError       body over the configured limit
      ├── RateLimitError            429 RateLimitError        shed or over a key's rate (Retry-After)
      ├── UpstreamError             502 BadGatewayError       a model server failed
@@ -48,10 +49,12 @@ class AuthenticationError(KvflowError):
     type = "AuthenticationError"
 
 
-class ModelNotFoundError(KvflowError):
+class NotFoundError(KvflowError):
     status = 404
     type = "NotFoundError"
 
+
+class ModelNotFoundError(NotFoundError):
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.", param="model")
 

@@ -1,0 +1,317 @@
+"""The batch runner: one per gateway replica, feeding batch lines to the pods from idle capacity.
+
+Three tasks, all on the gateway's event loop:
+
+* **control** looks in the database (when woken, and every ``poll_s`` for other replicas' work
+  and cancellations): validates new batches, claims lines into a local backlog, expires
+  batches past their window, finalizes batches whose lines are all done;
+* **dispatch** starts backlog lines as the batch band of their pool lets it (``batch_room``):
+  each line is a task sending one request through the gateway, so many are in flight at once
+  and the pods' continuous batching stays full while nobody else needs it. It re-evaluates when
+  a line finishes and, while the band holds lines back, every ``TICK`` (the router scrapes the
+  pods every 50 ms: what the band reads does not change faster);
+* **commit** writes finished lines' results in one transaction every ``TICK`` and renews the
+  replica's leases.
+
+A line whose pods cannot be reached (no healthy pod, 502) goes back to the database with a
+back-off and is tried again, up to ``max_attempts``; any other answer is its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvflow.endpoints import Role
+from kvflow.gateway.app import Gateway
+from kvflow.gateway.batch import execute
+from kvflow.gateway.batch.config import BatchConfig
+from kvflow.gateway.batch.lines import encode_body, error_line, parse_file, response_line
+from kvflow.gateway.batch.states import BatchRecord, Status
+from kvflow.gateway.batch.store import AsyncStore, Claimed, NewLine, Result
+from kvflow.gateway.flow import InteractiveWatch, PodLoad, batch_room
+from kvflow.gateway.pools import Pool
+
+log = logging.getLogger("kvflow.gateway.batch")
+
+TICK = 0.05
+
+
+@dataclass(slots=True)
+class _Waiting:
+    claimed: Claimed
+    endpoint: str
+    line: execute.Prepared
+
+
+class BatchRunner:
+    def __init__(self, gateway: Gateway, store: AsyncStore, config: BatchConfig, replica: str,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.gateway, self.store, self.config, self.replica, self.clock = gateway, store, config, replica, clock
+        self.limits = config.limits()
+        self.watches = {model: InteractiveWatch(self.limits.quiet_s) for model in gateway.pools}
+        self.backlog: dict[str, deque[_Waiting]] = {model: deque() for model in gateway.pools}
+        self.inflight: dict[str, int] = {model: 0 for model in gateway.pools}
+        self.endpoints: dict[str, str] = {}
+        """batch id -> endpoint, for the in-progress batches this replica knows."""
+        self.results: list[Result] = []
+        self.lines_done = 0
+        self._wake_control = asyncio.Event()
+        self._wake_dispatch = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lines: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        released = await self.store.run(self.store.store.release_all, self.replica)
+        if released:
+            log.info("batch: took back %d lines this replica (%s) held before it stopped", released, self.replica)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(coro, name=f"batch-{name}") for name, coro in
+                       (("control", self._control()), ("dispatch", self._dispatch()), ("commit", self._commit()))]
+
+    async def stop(self) -> None:
+        """Stop feeding; results already in hand are written, running lines go back for later."""
+        self._stopping = True
+        for task in [*self._tasks, *self._lines]:
+            task.cancel()
+        for task in [*self._tasks, *self._lines]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._flush()
+        await self.store.run(self.store.store.release_all, self.replica)
+
+    def wake(self) -> None:
+        """Something changed in the database (a batch created or cancelled here)."""
+        self._wake_control.set()
+
+    def _drop(self, batch_id: str) -> list[int]:
+        """Take the batch's lines that have not started out of the backlog; their indexes."""
+        dropped = []
+        for queue in self.backlog.values():
+            kept = [w for w in queue if w.claimed.batch_id != batch_id]
+            dropped += [w.claimed.index for w in queue if w.claimed.batch_id == batch_id]
+            queue.clear()
+            queue.extend(kept)
+        return dropped
+
+    # --- control: the database side ------------------------------------------------------
+
+    async def _control(self) -> None:
+        while True:
+            try:
+                await self._survey()
+            except Exception:  # a database hiccup must not stop batches for good
+                log.exception("batch: control step failed; retrying")
+            await asyncio.sleep(TICK)  # lines finishing wake this often: look at most every TICK
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_control.wait(), self.config.poll_s)
+            self._wake_control.clear()
+
+    async def _survey(self) -> None:
+        store = self.store.store
+        now = self.clock()
+        live: dict[str, str] = {}
+        for rec in await self.store.run(store.active):
+            if rec.status is Status.VALIDATING:
+                await self._validate(rec)
+            elif rec.status is Status.IN_PROGRESS:
+                if now >= rec.expires_at:
+                    self._drop(rec.id)
+                    await self.store.run(store.expire, rec.id, int(now))
+                    await self._finalize(rec.id)
+                    continue
+                live[rec.id] = rec.endpoint
+                pending, running = await self.store.run(store.unfinished, rec.id, now)
+                if pending == 0 and running == 0 and await self.store.run(store.to_finalizing, rec.id, int(now)):
+                    await self._finalize(rec.id)
+            elif rec.status is Status.CANCELLING:  # lines not started stay unrun; running ones finish
+                dropped = self._drop(rec.id)
+                if dropped:
+                    await self.store.run(store.release_lines, rec.id, self.replica, dropped)
+                _, running = await self.store.run(store.unfinished, rec.id, now)
+                if running == 0:
+                    await self._finalize(rec.id)
+            elif rec.status is Status.FINALIZING:
+                await self._finalize(rec.id)
+        self.endpoints = live
+        await self._claim(live)
+
+    async def _validate(self, rec: BatchRecord) -> None:
+        store = self.store.store
+        now = self.clock()
+        if not await self.store.run(store.lease_batch, rec.id, self.replica, now + self.config.lease_s, now):
+            return
+        try:
+            data = await self.store.run(store.read_file, rec.owner, rec.input_file_id)
+        except Exception as exc:  # deleted before the batch started
+            await self.store.run(store.fail, rec.id, [{"code": "invalid_file", "message": str(exc), "line": None,
+                                                       "param": "input_file_id"}], int(now))
+            return
+        lines = await asyncio.to_thread(_new_lines, rec.id, rec.endpoint, data)
+        if await self.store.run(store.start, rec.id, self.replica, lines, int(self.clock())):
+            log.info("batch %s: %d lines, in progress", rec.id, len(lines))
+
+    async def _finalize(self, batch_id: str) -> None:
+        store = self.store.store
+        now = self.clock()
+        if await self.store.run(store.lease_batch, batch_id, self.replica, now + self.config.lease_s, now):
+            done = await self.store.run(store.finalize, batch_id, self.replica, int(now))
+            if done is not None:
+                log.info("batch %s: %s (%d completed, %d failed)", batch_id, done.status, done.completed, done.failed)
+
+    async def _claim(self, live: dict[str, str]) -> None:
+        """Keep the backlog at about what the bands could start now, from the oldest batches."""
+        store = self.store.store
+        for batch_id, endpoint in live.items():
+            want = self._wanted()
+            if want <= 0:
+                return
+            now = self.clock()
+            claimed = await self.store.run(store.claim, batch_id, self.replica, want, now + self.config.lease_s, now)
+            for c in claimed:
+                self._enqueue(c, endpoint)
+            if claimed:
+                self._wake_dispatch.set()
+
+    def _wanted(self) -> int:
+        backlog = sum(len(q) for q in self.backlog.values())
+        capacity = sum(self.limits.per_pod * max(1, len(self._pod_loads(pool))) for pool in self.gateway.pools.values())
+        return max(0, capacity - sum(self.inflight.values()) - backlog)
+
+    def _enqueue(self, claimed: Claimed, endpoint: str) -> None:
+        prepared = execute.prepare(self.gateway, endpoint, claimed.request, _request_id(claimed))
+        if isinstance(prepared, execute.Answer):  # bad body or unknown model: its answer is its result
+            self._finish(claimed, prepared)
+            return
+        self.backlog[prepared.pool.model].append(_Waiting(claimed, endpoint, prepared))
+
+    # --- dispatch: the pods side ---------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        while True:
+            try:
+                held_back = self._dispatch_step()
+            except Exception:  # a bug here must not stop every batch: say so and go on
+                log.exception("batch: dispatch step failed")
+                held_back = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_dispatch.wait(), TICK if held_back else None)
+            self._wake_dispatch.clear()
+
+    def _dispatch_step(self) -> bool:
+        """Start what the bands allow; whether lines are still held back."""
+        held_back = False
+        for model, queue in self.backlog.items():
+            if not queue:
+                continue
+            room = self._room(self.gateway.pools[model])
+            while queue and room > 0:
+                self._start(queue.popleft())
+                room -= 1
+            held_back = held_back or bool(queue)
+        if sum(len(q) for q in self.backlog.values()) < self._low_water():
+            self._wake_control.set()
+        return held_back
+
+    def _low_water(self) -> int:
+        return max(1, sum(self.inflight.values()) // 2)
+
+    def _room(self, pool: Pool) -> int:
+        queue = pool.gate.queue
+        interactive = self.watches[pool.model].around(queue.inflight, time.monotonic())
+        return batch_room(self._pod_loads(pool), self.inflight[pool.model], self.limits,
+                          interactive=interactive, interactive_waiting=queue.waiting)
+
+    @staticmethod
+    def _pod_loads(pool: Pool) -> list[PodLoad]:
+        """The router's view of the pods that decode (a scripted router in tests has only endpoints)."""
+        datastore = getattr(pool.router, "datastore", None)
+        if datastore is None:
+            return [PodLoad(0, 0.0) for ep in pool.router.endpoints if ep.role is not Role.PREFILL]
+        decoders, _ = datastore.by_role()
+        return [PodLoad(v.metrics.waiting, v.metrics.kv_usage, v.healthy) for v in decoders]
+
+    def _start(self, waiting: _Waiting) -> None:
+        model = waiting.line.pool.model
+        self.inflight[model] += 1
+        task = asyncio.get_running_loop().create_task(self._run(waiting))
+        self._lines.add(task)
+        task.add_done_callback(self._lines.discard)
+
+    async def _run(self, waiting: _Waiting) -> None:
+        claimed = waiting.claimed
+        request_id = _request_id(claimed)
+        try:
+            answer = await execute.run(self.gateway, waiting.line, waiting.endpoint, claimed.request, request_id)
+        except execute.Transient as exc:
+            if claimed.attempts >= self.config.max_attempts:
+                self._finish(claimed, exc.answer)
+            else:
+                delay = min(30.0, 2.0 ** (claimed.attempts - 1))
+                log.warning("batch %s line %d: %s; again in %gs", claimed.batch_id, claimed.index, exc, delay)
+                await self.store.run(self.store.store.release, claimed.batch_id, claimed.index, self.replica,
+                                     self.clock() + delay)
+        else:
+            self._finish(claimed, answer)
+        finally:
+            self.inflight[waiting.line.pool.model] -= 1
+            self._wake_dispatch.set()
+
+    def _finish(self, claimed: Claimed, answer: execute.Answer) -> None:
+        line = response_line(claimed.batch_id, claimed.index, claimed.custom_id, answer.status, answer.request_id,
+                             answer.body)
+        self.results.append(Result(claimed.batch_id, claimed.index, 200 <= answer.status < 300, line))
+
+    # --- commit: results and leases ------------------------------------------------------
+
+    async def _commit(self) -> None:
+        renew_every = self.config.lease_s / 3
+        renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(TICK)
+            try:
+                if self.results and await self._flush():
+                    self._wake_control.set()  # a batch may be done
+                if time.monotonic() - renewed >= renew_every:
+                    await self.store.run(self.store.store.renew, self.replica, self.clock() + self.config.lease_s)
+                    renewed = time.monotonic()
+            except Exception:
+                log.exception("batch: writing results failed; retrying")
+
+    async def _flush(self) -> int:
+        results, self.results = self.results, []
+        if not results:
+            return 0
+        try:
+            kept = await self.store.run(self.store.store.record, self.replica, results)
+        except BaseException:
+            self.results[:0] = results  # not written: keep them for the next try
+            raise
+        self.lines_done += kept
+        return kept
+
+
+def _request_id(claimed: Claimed) -> str:
+    """The line's X-Request-Id at the pods: batch, line and attempt."""
+    return f"{claimed.batch_id}-{claimed.index}-{claimed.attempts}"
+
+
+def _new_lines(batch_id: str, endpoint: str, data: bytes) -> list[NewLine]:
+    """The input file as stored lines: requests to run, and results already for malformed ones."""
+    out = []
+    for line in parse_file(data, endpoint):
+        if line.error is not None:
+            out.append(NewLine(line.index, line.custom_id, None, error_line(batch_id, line.index, line.custom_id,
+                                                                           line.error)))
+        else:
+            assert line.body is not None
+            out.append(NewLine(line.index, line.custom_id, encode_body(line.body)))
+    return out
