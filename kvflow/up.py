@@ -106,6 +106,8 @@ def gateway_argv(plan: StackPlan, args: argparse.Namespace, router_config_path: 
         argv += [flag, pod.address]
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
+    if args.batch_dir:
+        argv += ["--batch-dir", args.batch_dir]
     return argv
 
 
@@ -122,6 +124,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gateway", default="127.0.0.1:8080", help="gateway HOST:PORT")
     p.add_argument("--pod-port", type=int, default=POD_PORT, help="port every pod listens on (default 8000)")
     p.add_argument("--log-dir", default=".kvflow/logs", help="where each child's log goes")
+    p.add_argument("--batch-dir", default="", help="the Batch API's database and files (default .kvflow/batches)")
     return p.parse_args(list(argv))
 
 

@@ -40,6 +40,7 @@ from kvflow.gateway.pools import Pool
 log = logging.getLogger("kvflow.gateway.batch")
 
 TICK = 0.05
+BACKLOG_MARGIN = 16
 
 
 @dataclass(slots=True)
@@ -57,8 +58,6 @@ class BatchRunner:
         self.watches = {model: InteractiveWatch(self.limits.quiet_s) for model in gateway.pools}
         self.backlog: dict[str, deque[_Waiting]] = {model: deque() for model in gateway.pools}
         self.inflight: dict[str, int] = {model: 0 for model in gateway.pools}
-        self.endpoints: dict[str, str] = {}
-        """batch id -> endpoint, for the in-progress batches this replica knows."""
         self.results: list[Result] = []
         self.lines_done = 0
         self._wake_control = asyncio.Event()
@@ -122,27 +121,24 @@ class BatchRunner:
         for rec in await self.store.run(store.active):
             if rec.status is Status.VALIDATING:
                 await self._validate(rec)
+            elif rec.status is Status.IN_PROGRESS and now >= rec.expires_at:
+                self._drop(rec.id)
+                await self.store.run(store.expire, rec.id, int(now))
+                await self._finalize(rec.id)
             elif rec.status is Status.IN_PROGRESS:
-                if now >= rec.expires_at:
-                    self._drop(rec.id)
-                    await self.store.run(store.expire, rec.id, int(now))
-                    await self._finalize(rec.id)
-                    continue
                 live[rec.id] = rec.endpoint
-                pending, running = await self.store.run(store.unfinished, rec.id, now)
-                if pending == 0 and running == 0 and await self.store.run(store.to_finalizing, rec.id, int(now)):
-                    await self._finalize(rec.id)
             elif rec.status is Status.CANCELLING:  # lines not started stay unrun; running ones finish
                 dropped = self._drop(rec.id)
                 if dropped:
                     await self.store.run(store.release_lines, rec.id, self.replica, dropped)
-                _, running = await self.store.run(store.unfinished, rec.id, now)
-                if running == 0:
+                if not await self.store.run(store.any_running, rec.id, now):
                     await self._finalize(rec.id)
             elif rec.status is Status.FINALIZING:
                 await self._finalize(rec.id)
-        self.endpoints = live
-        await self._claim(live)
+        for batch_id in await self._claim(live):
+            if (not await self.store.run(store.any_unfinished, batch_id)
+                    and await self.store.run(store.to_finalizing, batch_id, int(now))):
+                await self._finalize(batch_id)
 
     async def _validate(self, rec: BatchRecord) -> None:
         store = self.store.store
@@ -167,24 +163,35 @@ class BatchRunner:
             if done is not None:
                 log.info("batch %s: %s (%d completed, %d failed)", batch_id, done.status, done.completed, done.failed)
 
-    async def _claim(self, live: dict[str, str]) -> None:
-        """Keep the backlog at about what the bands could start now, from the oldest batches."""
+    async def _claim(self, live: dict[str, str]) -> list[str]:
+        """Keep the backlog at about what the bands could start now, from the oldest batches;
+        the batches that had no line left to claim (they may be done)."""
         store = self.store.store
+        exhausted = []
         for batch_id, endpoint in live.items():
             want = self._wanted()
             if want <= 0:
-                return
+                if not self._holding(batch_id):
+                    exhausted.append(batch_id)
+                continue
             now = self.clock()
             claimed = await self.store.run(store.claim, batch_id, self.replica, want, now + self.config.lease_s, now)
             for c in claimed:
                 self._enqueue(c, endpoint)
             if claimed:
                 self._wake_dispatch.set()
+            if len(claimed) < want:
+                exhausted.append(batch_id)
+        return exhausted
+
+    def _holding(self, batch_id: str) -> bool:
+        return any(w.claimed.batch_id == batch_id for q in self.backlog.values() for w in q)
 
     def _wanted(self) -> int:
+        """Lines worth holding: what the bands would start now, and a few more for when they
+        finish. Claiming no more than that leaves the rest to replicas with more room."""
         backlog = sum(len(q) for q in self.backlog.values())
-        capacity = sum(self.limits.per_pod * max(1, len(self._pod_loads(pool))) for pool in self.gateway.pools.values())
-        return max(0, capacity - sum(self.inflight.values()) - backlog)
+        return sum(self._room(pool) + BACKLOG_MARGIN for pool in self.gateway.pools.values()) - backlog
 
     def _enqueue(self, claimed: Claimed, endpoint: str) -> None:
         prepared = execute.prepare(self.gateway, endpoint, claimed.request, _request_id(claimed))

@@ -297,13 +297,14 @@ class Store:
             return db.execute("UPDATE lines SET state = 0, holder = NULL WHERE holder = ? AND state = 1",
                               (holder,)).rowcount
 
-    def unfinished(self, batch_id: str, now: float) -> tuple[int, int]:
-        """(lines not yet claimed, lines claimed under a live lease)."""
-        pending, live = self.db.execute(
-            "SELECT COALESCE(SUM(state = 0 OR (state = 1 AND lease_until < ?)), 0),"
-            " COALESCE(SUM(state = 1 AND lease_until >= ?), 0) FROM lines WHERE batch_id = ? AND state < 2",
-            (now, now, batch_id)).fetchone()
-        return int(pending), int(live)
+    def any_unfinished(self, batch_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM lines WHERE batch_id = ? AND state < 2 LIMIT 1",
+                               (batch_id,)).fetchone() is not None
+
+    def any_running(self, batch_id: str, now: float) -> bool:
+        """Whether some replica holds a live claim on a line of the batch."""
+        return self.db.execute("SELECT 1 FROM lines WHERE batch_id = ? AND state = 1 AND lease_until >= ? LIMIT 1",
+                               (batch_id, now)).fetchone() is not None
 
     def expire(self, batch_id: str, now: int) -> None:
         """in_progress -> finalizing past ``expires_at``: unrun lines become ``batch_expired`` errors."""
