@@ -1,130 +1,99 @@
-"""Routing quality: prefix-cache hit rate and load balance per router profile.
+"""Routing quality: kvflow's gateway against sglang-router, vllm-router and an oracle, in one run,
+in front of the same simulated pods.
 
-Starts 4 simulated vLLM pods (h100-llama8b timing, KV events on), then for each profile resets
-the pods' prefix caches, builds a fresh in-process Router and drives a shared-prefix workload
-(many groups, each sharing a long system prompt, interleaved) through it. The hit rate is read
-from the pods' own ``vllm:prefix_cache_hits/queries`` counters.
+Per workload (``kvbench.workloads``: (a) llm-d's shared-prefix shape, (b) Zipf-skewed tenants,
+(c) multi-turn chat, (d) shared prefix with P/D), 4 simulated vLLM pods (``kvflow sim --profile
+h100-llama8b``, KV events on, a KV pool too small for every prefix) serve open-loop Poisson
+traffic at several rates around where round-robin saturates (found on the oracle's replay).
+Each router runs as its users run it; between runs the pods drain and reset their prefix
+caches. The oracle replays the same traces offline on the simulator's own scheduler (see
+``kvbench.oracle`` and docs/router.md). Prints a markdown table per workload (ratios to
+sglang-router ``cache_aware`` and to the oracle at the same rate), issue 10's targets, and
+writes ``bench/out/routing-<workload>.png`` and ``bench/out/routing.json``.
 
-Scenarios: ``roomy`` (a quarter of the groups fits on each pod: prefix-aware routing can
-partition, round-robin thrashes; one router), ``tight`` (even a partition evicts; one router)
-and ``tight-ha`` (the same, with two router replicas splitting the traffic, as an HA endpoint
-picker or several gateway replicas would: each approximate index sees half the routing, while
-every replica's KV-event index sees all of every pod's cache).
+    python bench/bench_routing.py                       # everything, ~40 min on 2 cores
+    python bench/bench_routing.py --workloads a --routers kvflow sglang:cache_aware --duration 10
+    python bench/bench_routing.py --workloads a --routers kvflow kvflow:prefix-approx --rates 8 12 16
 
-    .venv/bin/python bench/bench_routing.py [--requests 256] [--groups 32] [--scenario roomy tight]
+Peers come from the ``bench`` extra (``pip install -e '.[bench]'``); a missing one is installed
+on first use, or skipped with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
-import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
-from kvflow.router import Router, load_config
-from kvflow.router.loadtest import Outcome, Workload, run
-from kvflow.endpoints import Endpoint
+from kvbench import report, routers
+from kvbench.runner import Options, Outcome, bench_workload, saturation_row_rate
+from kvbench.workloads import DESCRIPTIONS, WORKLOADS
 
-PROFILES = ("round-robin", "least-load", "prefix-approx", "prefix-precise", "default")
-NO_PREFIX = frozenset({"round-robin", "least-load"})
-SCENARIOS = {"roomy": (420, 1), "tight": (260, 1), "tight-ha": (260, 2)}  # KV blocks per pod, routers
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
 
 
-def start_pods(group: ProcessGroup, n: int, num_blocks: int, first_host: int = 40) -> list[tuple[Endpoint, str]]:
-    pods = []
-    for i in range(n):
-        host = f"127.0.0.{first_host + i}"
-        port, kv_port = free_port(host), free_port(host)
-        argv = kvflow_argv(
-            "sim",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--profile",
-            "h100-llama8b",
-            "--num-blocks",
-            str(num_blocks),
-            "--kv-events-endpoint",
-            f"tcp://*:{kv_port}",
-            "--log-level",
-            "WARNING",
-        )
-        group.start(f"sim-{i}", argv, env={"PYTHONHASHSEED": "0"}, ready_url=f"http://{host}:{port}/health")
-        pods.append((Endpoint(host, port), f"tcp://{host}:{kv_port}"))
-    group.wait_ready(60)
-    return pods
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvflow bench routing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+                   help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D")
+    p.add_argument("--routers", nargs="+", default=list(routers.DEFAULT_ROUTERS),
+                   help="kvflow[:PROFILE], sglang:cache_aware|round_robin, "
+                        "vllm-router:cache_aware|round_robin|kv_aware (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    p.add_argument("--factors", nargs="+", type=float, default=[0.5, 0.75, 1.0, 1.25],
+                   help="rates as multiples of round-robin's saturation rate on the replay")
+    p.add_argument("--rates", nargs="+", type=float, default=[], help="explicit request rates (req/s) instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=OUT, help="where the PNGs and routing.json go")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p
 
 
-def router_config(pods: list[tuple[Endpoint, str]]) -> dict[str, object]:
-    return {"pool": {"endpoints": [{"address": ep.id, "kvEvents": kv} for ep, kv in pods]}}
+def print_outcome(outcome: Outcome) -> None:
+    w = outcome.workload
+    print(f"\n### workload {w.name}: {DESCRIPTIONS[w.name]}; "
+          f"{w.decode_pods} {'decode pods + ' + str(w.prefill_pods) + ' prefill' if w.pd else 'pods'}, "
+          f"{w.num_blocks} KV blocks each; round-robin saturates near {outcome.saturation:g} req/s (replay)\n")
+    print(report.table(outcome.rows))
+    print()
+    print(report.calibration(outcome.rows))
+    print(report.targets(w.name, outcome.rows, saturation_row_rate(outcome)))
+    for skipped in outcome.skipped:
+        print(f"skipped {skipped}")
 
 
-async def reset(pods: list[tuple[Endpoint, str]]) -> None:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
-        for ep, _ in pods:
-            async with session.post(f"{ep.url}/reset_prefix_cache") as resp:
-                await resp.read()
-
-
-async def run_profile(pods: list[tuple[Endpoint, str]], profile: str, workload: Workload, replicas: int) -> Outcome:
-    await reset(pods)
-    routers = [Router(load_config(router_config(pods)), profile=profile) for _ in range(replicas)]
-    for router in routers:
-        await router.start()
-    try:
-        await asyncio.sleep(0.3)  # first scrape, SUB sockets connected
-        return await run(routers, profile, workload)
-    finally:
-        for router in routers:
-            await router.stop()
-
-
-def table(scenario: str, num_blocks: int, replicas: int, outcomes: list[Outcome]) -> str:
-    rr = next((o.hit_rate for o in outcomes if o.profile == "round-robin"), 0.0)
-    lines = [
-        f"scenario {scenario}: {num_blocks} KV blocks per pod, {replicas} router replica(s)",
-        f"{'profile':<15} {'hit rate':>8} {'vs RR':>6} {'router':>7} {'imbal.':>6} {'req/pod':<18} "
-        f"{'secs':>5} {'err':>3}",
-    ]
-    for o in outcomes:
-        ratio = f"{o.hit_rate / rr:.1f}x" if rr else "-"
-        # Profiles without a prefix scorer do not hash prompts, so the router believes nothing.
-        believed = f"{o.router_hit_rate:>7.1%}" if o.profile not in NO_PREFIX else f"{'-':>7}"
-        lines.append(
-            f"{o.profile:<15} {o.hit_rate:>8.1%} {ratio:>6} {believed} {o.imbalance:>6.2f} "
-            f"{'/'.join(map(str, o.requests_per_pod)):<18} {o.seconds:>5.1f} {o.errors:>3}"
-        )
-    return "\n".join(lines)
-
-
-async def main_async(args: argparse.Namespace) -> None:
-    workload = Workload(
-        groups=args.groups, requests=args.requests, system_words=args.system_words, concurrency=args.concurrency
-    )
-    for scenario in args.scenario:
-        num_blocks, replicas = SCENARIOS[scenario]
-        with ProcessGroup(Path(tempfile.mkdtemp(prefix="kvflow-bench-routing-"))) as group:
-            pods = await asyncio.to_thread(start_pods, group, 4, num_blocks)
-            outcomes = [await run_profile(pods, p, workload, replicas) for p in args.profiles]
-        print(table(scenario, num_blocks, replicas, outcomes))
-        print()
+async def main_async(args: argparse.Namespace) -> list[Outcome]:
+    for name in args.routers:
+        routers.RouterSpec.parse(name)  # a typo fails before any pod starts
+    opts = Options(duration=args.duration, factors=tuple(args.factors), rates=tuple(args.rates), seed=args.seed,
+                   log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet)
+    outcomes = []
+    for name in args.workloads:
+        outcome = await bench_workload(WORKLOADS[name], args.routers, opts)
+        outcomes.append(outcome)
+        print_outcome(outcome)
+        report.plot(outcome.rows, f"workload {name}: {DESCRIPTIONS[name]}", args.out / f"routing-{name}.png")
+        sys.stdout.flush()
+    return outcomes
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--groups", type=int, default=32)
-    p.add_argument("--system-words", type=int, default=600)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--profiles", nargs="+", default=list(PROFILES))
-    p.add_argument("--scenario", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    args = p.parse_args(argv)
-    asyncio.run(main_async(args))
+    args = parser().parse_args(argv)
+    try:
+        outcomes = asyncio.run(main_async(args))
+    except ValueError as exc:
+        print(f"kvflow bench routing: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "routing.json").write_text(json.dumps(
+        [{"workload": o.workload.name, "saturation": o.saturation, "rates": o.rates, "skipped": o.skipped,
+          "rows": [asdict(r) for r in o.rows]} for o in outcomes], indent=1, default=str))
+    print(f"\nplots: {', '.join(str(args.out / f'routing-{o.workload.name}.png') for o in outcomes)}")
     return 0
 
 

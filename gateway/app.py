@@ -16,15 +16,15 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, from_exception
 from kvflow.gateway.accesslog import AccessLog
 from kvflow.gateway.auth import ApiKey, Authenticator
+from kvflow.gateway.body import client_kv_params, parse_json
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.flow import Rate, RateLimiter
-from kvflow.gateway.httpserver import Request, Responder
+from kvflow.gateway.httpserver import HttpServer, Request, Responder
 from kvflow.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvflow.gateway.pd import decode_body, encode, prefill
 from kvflow.gateway.pools import Pool, PoolRouter, build_pool, build_router
@@ -32,8 +32,11 @@ from kvflow.gateway.proxy import (
     AttemptFailed, Exchange, Upstream, send_error, send_json, stream_response, try_targets, whole_response,
 )
 from kvflow.gateway.validation import validate
-from kvflow.router.model import SchedulingRequest, SchedulingResult
+from kvflow.router.flight import Flight
+from kvflow.router.model import SchedulingResult
+from kvflow.router.request import PoolNames, scheduling_request, tokens_off_loop
 from kvflow.endpoints import Endpoint
+from kvflow.routing_headers import PRIORITY, strip_client_routing
 
 log = logging.getLogger("kvflow.gateway")
 access_log = logging.getLogger("kvflow.gateway.access")
@@ -51,20 +54,6 @@ class RouteError(KvflowError):
         self.type = "NotFoundError" if status == 404 else "MethodNotAllowedError"  # type: ignore[misc]
 
 
-_decoder = msgspec.json.Decoder()
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (msgspec: ~9x json.loads on this path), or a 400 saying why not."""
-    try:
-        body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return body
-
-
 class Gateway:
     def __init__(self, config: GatewayConfig, pools: Mapping[str, Pool], auth: Authenticator,
                  metrics: GatewayMetrics, upstream: Upstream) -> None:
@@ -72,7 +61,10 @@ class Gateway:
         # model or LoRA name -> (pool, adapter); an adapter is scheduled in its base model's pool
         self.names: dict[str, tuple[Pool, str | None]] = {name: (pool, None) for name, pool in self.pools.items()}
         self.loras: dict[str, str] = {}
+        self.pool_names: dict[str, PoolNames] = {name: PoolNames(name) for name in self.pools}
         for pc in config.pools:
+            if pc.model in self.pools:
+                self.pool_names[pc.model] = PoolNames(pc.model, frozenset(pc.loras))
             for lora in pc.loras:
                 if pc.model in self.pools:
                     self.names[lora] = (self.pools[pc.model], lora)
@@ -95,7 +87,11 @@ class Gateway:
         self._idle = config.timeouts.idle
         self._priority_header = config.flow.priority_header.lower()
         self._forward_auth = not auth.enabled  # pods behind an open gateway may want the client's key
+        self._allowed_headers = frozenset(config.allow_client_headers)
+        self._max_depth = config.http.max_json_depth
         self.access = AccessLog(access_log) if config.access_log else None
+        self.http: HttpServer | None = None
+        """The server in front of this gateway, once listening (its refusals are in /metrics)."""
 
     def close(self) -> None:
         """Write out what the access log still holds."""
@@ -182,6 +178,8 @@ class Gateway:
             pool.metrics.inflight.set(pool.gate.queue.inflight)
             pool.metrics.queued.set(pool.gate.queue.waiting)
         routers = [getattr(getattr(p.router, "metrics", None), "registry", None) for p in self.pools.values()]
+        if self.http is not None:
+            self.metrics.http_refusals = self.http.counts
         body = self.metrics.render(r for r in routers if isinstance(r, CollectorRegistry))
         out.send(200, body, [("Content-Type", CONTENT_TYPE)])
 
@@ -190,23 +188,30 @@ class Gateway:
     async def _generate(self, request: Request, out: Responder, ex: Exchange, kind: str) -> None:
         key = self.auth.check(request.headers.get("authorization"))
         ex.key = key.name
-        body = parse_json(request.body)
+        allowed = self._allowed_headers | key.allow_headers if key.allow_headers else self._allowed_headers
+        strip_client_routing(request.headers, allowed)  # the router reads what is left
+        body = parse_json(request.body, self._max_depth)
         validate(kind, body)
+        if client_kv_params(body, self.config.client_kv_transfer_params):
+            request.body = encode(body)  # forwarded without them
         found = self.names.get(body["model"])
         if found is None:
             raise ModelNotFoundError(body["model"])
         pool, lora = found
         ex.model = pool.model
         self.limiter.check(key.name)
-        await pool.gate.acquire(self._priority(request, key))
+        client = key.name if self.auth.enabled else request.peer  # fairness between clients
+        await pool.gate.acquire(self._priority(request, key, allowed), client)
         try:
             await self._serve(request, out, ex, pool, body, lora)
         finally:
-            pool.gate.release()
+            pool.gate.release(client)
 
-    def _priority(self, request: Request, key: ApiKey) -> int:
+    def _priority(self, request: Request, key: ApiKey, allowed: frozenset[str]) -> int:
         if key.priority is not None:
             return key.priority
+        if PRIORITY not in allowed:  # choosing one's own priority is off unless configured
+            return 0
         text = request.headers.get(self._priority_header)
         if text is None:
             return 0
@@ -218,43 +223,46 @@ class Gateway:
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
                      lora: str | None) -> None:
         router = pool.router
-        sreq = SchedulingRequest(ex.request_id, pool.model, router.tokenize(body), request.headers, lora)
+        tokens = await tokens_off_loop(router.tokenize, body, len(request.body))
+        sreq = scheduling_request(body, request.headers, tokens, request_id=ex.request_id,
+                                  names=self.pool_names[pool.model], max_prompt_tokens=router.max_prompt_tokens)
+        await router.prepare(sreq)
         result: SchedulingResult = router.schedule(sreq)
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
         if self._forward_auth and "authorization" in request.headers:
             upstream_headers["Authorization"] = request.headers["authorization"]
-        router.request_started(sreq, result)
-        ok = False
-        try:
+        with router.flight(sreq, result) as flight:  # released whatever happens below
             payload = request.body
             if result.prefill is not None:
-                payload = await self._prefill(ex, pool, result.prefill, request.path, body, upstream_headers)
+                payload = await self._prefill(ex, pool, flight, result.prefill, request.path, body, upstream_headers)
             else:
                 ex.mode = "aggregated"
             self.metrics.count(self.metrics.mode, pool.model, ex.mode)
 
             def failed(endpoint: Endpoint, failure: AttemptFailed) -> None:
+                flight.failed(endpoint)
                 self._attempt_failed(pool, endpoint, failure)
 
             answer = await try_targets(self.upstream, ex, result.targets[: self._attempts], request.path, payload,
-                                       upstream_headers, stream=body.get("stream") is True, on_failure=failed)
+                                       upstream_headers, stream=body.get("stream") is True,
+                                       on_attempt=flight.send, on_failure=failed)
             if answer.first_chunk is None:
+                flight.first_token(observe=False)  # the whole answer at once: no time to first token
                 whole_response(out, ex, answer)
-                ok = ex.status < 500
             else:
+                flight.first_token()
                 await stream_response(out, ex, answer, self._idle)
-                ok = ex.error is None
-        finally:
-            router.request_finished(sreq, result, ok=ok)
 
-    async def _prefill(self, ex: Exchange, pool: Pool, endpoint: Endpoint, path: str, body: dict[str, Any],
-                       headers: Mapping[str, str]) -> bytes:
+    async def _prefill(self, ex: Exchange, pool: Pool, flight: Flight, endpoint: Endpoint, path: str,
+                       body: dict[str, Any], headers: Mapping[str, str]) -> bytes:
+        flight.send_prefill(endpoint)
         try:
             params = await prefill(self.upstream, endpoint, path, body, headers)
             ex.mode = "pd"
         except AttemptFailed as failure:  # the decode pod computes the prompt itself
             self._attempt_failed(pool, endpoint, failure, retry=False)
             params, ex.mode = None, "pd_fallback"
+        flight.prefill_done(ok=params is not None)
         return encode(decode_body(body, params))
 
     def _attempt_failed(self, pool: Pool, endpoint: Endpoint, failure: AttemptFailed, *, retry: bool = True) -> None:

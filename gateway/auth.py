@@ -5,6 +5,10 @@ A key file holds one key per line (``#`` comments allowed), or YAML with per-key
     keys:
       - {key: sk-team-a, name: team-a, priority: 10, rate: 50, burst: 100}
       - {key: sk-batch, name: batch, priority: -5}
+      - {key: sk-ops, name: ops, allow_headers: [x-kvflow-profile, x-kvflow-priority]}
+
+``allow_headers`` lets that key choose a scheduling profile or a priority by header; nobody
+else may (the headers are removed from everyone else's requests).
 
 A Secret's data values hold the same text (each value is parsed; the keys of all values are
 merged). Keys are looked up by their SHA-256 digest, so a lookup takes no time that depends
@@ -22,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from kvflow.errors import AuthenticationError
+from kvflow.gateway.config import check_allowable
 from kvflow.gateway.flow import Rate
 
 
@@ -30,6 +35,8 @@ class ApiKey:
     name: str
     priority: int | None = None
     rate: Rate | None = None
+    allow_headers: frozenset[str] = frozenset()
+    """kvflow routing headers this key may send (x-kvflow-profile, x-kvflow-priority)."""
 
 
 ANONYMOUS = ApiKey(name="anonymous")
@@ -58,7 +65,15 @@ def _yaml_entry(index: int, entry: object, prefix: str) -> tuple[bytes, ApiKey]:
         raise ValueError(f"keys[{index}]: expected a mapping with a non-empty 'key'")
     rate = Rate(float(entry["rate"]), int(entry.get("burst", 1))) if entry.get("rate") else None
     priority = entry.get("priority")
-    key = ApiKey(str(entry.get("name") or f"{prefix}-{index}"), None if priority is None else int(priority), rate)
+    allowed = entry.get("allow_headers") or []
+    if not isinstance(allowed, list) or not all(isinstance(h, str) for h in allowed):
+        raise ValueError(f"keys[{index}]: allow_headers must be a list of header names")
+    try:
+        allowed = check_allowable(allowed)
+    except ValueError as exc:
+        raise ValueError(f"keys[{index}]: {exc}") from None
+    key = ApiKey(str(entry.get("name") or f"{prefix}-{index}"), None if priority is None else int(priority), rate,
+                 frozenset(allowed))
     return _digest(entry["key"]), key
 
 

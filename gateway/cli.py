@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvflow.gateway.config import GatewayConfig, load_file
+from kvflow.gateway.discovery import discover
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,7 +27,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML/JSON gateway config (pools for many models)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
-    p.add_argument("--model", help="the model the --endpoint pods serve")
+    p.add_argument("--model", help="the model the --endpoint pods serve (default: ask their /v1/models)")
+    p.add_argument("--discover-timeout", type=float, default=120.0,
+                   help="without --model: seconds to wait for the pods to list their models")
     p.add_argument("--endpoint", action="append", default=[], metavar="HOST:PORT", help="a decode/aggregated pod")
     p.add_argument("--prefill-endpoint", action="append", default=[], metavar="HOST:PORT", help="a prefill pod")
     p.add_argument("--profile", help="the router's scheduling profile (default 'default')")
@@ -65,14 +68,18 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     _nested(data, "auth", keys_file=args.api_keys_file, secret=args.api_keys_secret)
     _nested(data, "batch", dir=args.batch_dir, enabled=False if args.no_batch else None)
     if args.endpoint or args.prefill_endpoint or args.model:
-        if not args.model or not args.endpoint:
-            raise ValueError("--model and at least one --endpoint go together")
-        pool: dict[str, Any] = {"model": args.model, "endpoints": args.endpoint,
-                                "prefill_endpoints": args.prefill_endpoint, "loras": args.lora}
-        for flag, key in (("profile", "profile"), ("router_config", "router_config"), ("tokenizer", "tokenizer")):
-            if getattr(args, flag):
-                pool[key] = getattr(args, flag)
-        data["pools"] = [p for p in data.get("pools", []) if p.get("model") != args.model] + [pool]
+        if not args.endpoint:
+            raise ValueError("--model needs at least one --endpoint")
+        if args.model:
+            found = [{"model": args.model, "endpoints": args.endpoint, "prefill_endpoints": args.prefill_endpoint,
+                      "loras": args.lora}]
+        else:  # serve what the pods serve, as sglang-router and vllm-router do
+            found = discover(args.endpoint, args.prefill_endpoint, wait=args.discover_timeout)
+        for pool in found:
+            for flag, key in (("profile", "profile"), ("router_config", "router_config"), ("tokenizer", "tokenizer")):
+                if getattr(args, flag):
+                    pool[key] = getattr(args, flag)
+            data["pools"] = [p for p in data.get("pools", []) if p.get("model") != pool["model"]] + [pool]
     return GatewayConfig.model_validate(data)
 
 

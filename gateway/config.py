@@ -16,13 +16,14 @@ A config file says for many models what the command line says for one::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvflow.endpoints import Endpoint, Role, parse_host_port
 from kvflow.gateway.batch.config import BatchConfig
+from kvflow.routing_headers import ALLOWABLE
 
 
 class _Strict(BaseModel):
@@ -42,6 +43,8 @@ class PoolConfig(_Strict):
     loras: list[str] = Field(default_factory=list)
     """LoRA adapter names the pods serve (vLLM ``--lora-modules``): requests naming one go to
     this pool, with the adapter passed to the router (LoRA affinity)."""
+    max_model_len: int | None = Field(None, gt=0)
+    """The pods' context length (``/v1/models``): longer prompts are refused with a 400 here."""
 
     @field_validator("endpoints", "prefill_endpoints")
     @classmethod
@@ -80,8 +83,37 @@ class FlowConfig(_Strict):
     """Requests per model waiting for a slot; more are shed with 429."""
     queue_timeout: float = Field(30.0, gt=0)
     priority_header: str = "x-kvflow-priority"
+    """Read only for API keys (or everyone, ``allow_client_headers``) allowed to send it."""
     default_rate: RateConfig | None = None
     """A rate limit for each API key that sets none itself."""
+    max_inflight_per_client: int | None = Field(None, ge=1)
+    """Slots one client (API key, or address without authentication) may hold at once;
+    None: no cap beyond ``max_inflight``. Waiting clients are served fairly either way."""
+
+
+class HttpConfig(_Strict):
+    """What one client connection may send and how long it may take (docs/gateway.md)."""
+
+    max_request_line_bytes: int = Field(8192, ge=256)
+    """Longer request lines (URLs): 414."""
+    max_header_bytes: int = Field(65536, ge=1024)
+    """More header bytes: 431."""
+    max_headers: int = Field(100, ge=8)
+    """More headers: 431."""
+    header_timeout: float = Field(10.0, gt=0)
+    """Seconds from a request's first byte to the end of its headers; then 408 and close."""
+    body_timeout: float = Field(60.0, gt=0)
+    """Seconds from the end of the headers to the end of the body; then 408 and close."""
+    keep_alive_timeout: float = Field(60.0, gt=0)
+    """Seconds an idle keep-alive connection stays open."""
+    write_timeout: float = Field(60.0, gt=0)
+    """Seconds a client may read nothing of its answer before it is dropped and its slot freed."""
+    max_connections: int = Field(4096, ge=1)
+    """Open client connections; beyond it idle ones are closed first, else newcomers get 503."""
+    max_pipelined: int = Field(16, ge=1)
+    """Requests read ahead on one connection before reading pauses."""
+    max_json_depth: int = Field(64, ge=2)
+    """Nesting of a JSON body; deeper: 400."""
 
 
 class AuthConfig(_Strict):
@@ -108,6 +140,12 @@ class GatewayConfig(_Strict):
     batch: BatchConfig = BatchConfig()
     """The Batch API (/v1/files, /v1/batches): where its database lives, how lines use idle capacity."""
     access_log: bool = True
+    http: HttpConfig = HttpConfig()
+    client_kv_transfer_params: Literal["reject", "strip"] = "reject"
+    """``kv_transfer_params`` in a client's body (P/D is the router's business): a 400, or removed."""
+    allow_client_headers: list[str] = Field(default_factory=list)
+    """kvflow routing headers every client may send (x-kvflow-profile, x-kvflow-priority);
+    by default none, and an API key may allow them for itself (``allow_headers``)."""
     workers: int = Field(1, ge=1, le=64)
     """Processes sharing the port (SO_REUSEPORT); flow-control limits hold per worker."""
 
@@ -117,6 +155,11 @@ class GatewayConfig(_Strict):
             raise ValueError("workers > 1 need a fixed port (each would pick its own)")
         return self
 
+    @field_validator("allow_client_headers")
+    @classmethod
+    def _allowable(cls, names: list[str]) -> list[str]:
+        return check_allowable(names)
+
     @field_validator("pools")
     @classmethod
     def _unique_models(cls, pools: list[PoolConfig]) -> list[PoolConfig]:
@@ -125,6 +168,15 @@ class GatewayConfig(_Strict):
         if dupes:
             raise ValueError(f"models served by more than one pool: {', '.join(dupes)}")
         return pools
+
+
+def check_allowable(names: list[str]) -> list[str]:
+    """Header names a client may be allowed to send: only kvflow's profile and priority headers."""
+    lowered = [n.lower() for n in names]
+    bad = sorted(set(lowered) - ALLOWABLE)
+    if bad:
+        raise ValueError(f"clients may only be allowed {', '.join(sorted(ALLOWABLE))}, not {', '.join(bad)}")
+    return lowered
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

@@ -41,22 +41,36 @@ class Admission(Generic[W]):
 
 @dataclass
 class AdmissionQueue(Generic[W]):
-    """At most ``max_inflight`` admitted requests and ``max_queue`` waiting ones (None: unlimited)."""
+    """At most ``max_inflight`` admitted requests and ``max_queue`` waiting ones (None: unlimited).
+
+    Fair between clients: among waiters of one priority, the one whose client had fewer requests
+    in flight or waiting when it arrived goes first (then first come, first served), so one client
+    with a deep backlog cannot starve the others. ``max_per_client`` caps the slots one client
+    holds at once. Without a ``client`` every waiter is its own: plain priority + FIFO.
+    """
 
     max_inflight: int | None
     max_queue: int
+    max_per_client: int | None = None
     inflight: int = 0
-    _heap: list[tuple[int, int, W]] = field(default_factory=list)
+    _heap: list[tuple[int, int, int, W, Hashable]] = field(default_factory=list)
     _gone: set[W] = field(default_factory=set)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
+    _active: dict[Hashable, int] = field(default_factory=dict)
+    """Per client: requests in flight or waiting."""
+    _running: dict[Hashable, int] = field(default_factory=dict)
+    """Per client: requests in flight."""
 
     @property
     def waiting(self) -> int:
         return len(self._heap) - len(self._gone)
 
-    def admit(self, priority: int, waiter: W) -> Admission[W]:
-        if self.max_inflight is None or (self.inflight < self.max_inflight and not self.waiting):
+    def admit(self, priority: int, waiter: W, client: Hashable = None) -> Admission[W]:
+        # Invariant: while a slot is free, every live waiter's client is at its own cap.
+        if not self._capped(client) and (self.max_inflight is None or self.inflight < self.max_inflight):
             self.inflight += 1
+            self._add(self._running, client, 1)
+            self._add(self._active, client, 1)
             return Admission(Decision.ADMITTED)
         displaced = None
         if self.waiting >= self.max_queue:
@@ -64,31 +78,66 @@ class AdmissionQueue(Generic[W]):
             if displaced is None:
                 return Admission(Decision.SHED)
             self.cancel(displaced)
-        heapq.heappush(self._heap, (-priority, next(self._seq), waiter))
+        tag = self._active.get(client, 0) if client is not None else 0
+        heapq.heappush(self._heap, (-priority, tag, next(self._seq), waiter, client))
+        self._add(self._active, client, 1)
         return Admission(Decision.QUEUED, displaced)
 
-    def release(self) -> W | None:
+    def release(self, client: Hashable = None) -> W | None:
         """A request finished: the waiter that now takes its slot, if any (already counted in)."""
         self.inflight -= 1
+        self._add(self._running, client, -1)
+        self._add(self._active, client, -1)
+        if self.max_inflight is not None and self.inflight >= self.max_inflight:
+            return None
+        skipped = []
+        chosen = None
         while self._heap:
-            _, _, waiter = heapq.heappop(self._heap)
+            entry = heapq.heappop(self._heap)
+            waiter, owner = entry[3], entry[4]
             if waiter in self._gone:
                 self._gone.discard(waiter)
                 continue
+            if self._capped(owner):
+                skipped.append(entry)
+                continue
             self.inflight += 1
-            return waiter
-        return None
+            self._add(self._running, owner, 1)
+            chosen = waiter
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return chosen
 
     def cancel(self, waiter: W) -> None:
         """Forget a waiter that left (timeout, disconnect, displaced); removed lazily."""
-        if any(w == waiter for _, _, w in self._heap):
-            self._gone.add(waiter)
+        if waiter in self._gone:
+            return
+        for entry in self._heap:
+            if entry[3] == waiter:
+                self._gone.add(waiter)
+                self._add(self._active, entry[4], -1)
+                return
+
+    def _capped(self, client: Hashable) -> bool:
+        return (client is not None and self.max_per_client is not None
+                and self._running.get(client, 0) >= self.max_per_client)
+
+    @staticmethod
+    def _add(counts: dict[Hashable, int], client: Hashable, delta: int) -> None:
+        if client is None:
+            return
+        n = counts.get(client, 0) + delta
+        if n > 0:
+            counts[client] = n
+        else:
+            counts.pop(client, None)
 
     def _lowest_below(self, priority: int) -> W | None:
-        live = [entry for entry in self._heap if entry[2] not in self._gone]
+        live = [entry for entry in self._heap if entry[3] not in self._gone]
         if not live:
             return None
-        neg_priority, _, waiter = max(live, key=lambda e: (e[0], e[1]))
+        neg_priority, _, _, waiter, _ = max(live, key=lambda e: (e[0], e[1], e[2]))
         return waiter if -neg_priority < priority else None
 
 
@@ -139,51 +188,61 @@ class RateLimiter:
 class Gate:
     """The asyncio side of one model's AdmissionQueue."""
 
-    def __init__(self, max_inflight: int | None, max_queue: int, queue_timeout: float) -> None:
-        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(max_inflight, max_queue)
+    def __init__(self, max_inflight: int | None, max_queue: int, queue_timeout: float,
+                 max_per_client: int | None = None) -> None:
+        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(max_inflight, max_queue, max_per_client)
         self.queue_timeout = queue_timeout
-        self.unlimited = max_inflight is None
+        self.unlimited = max_inflight is None and max_per_client is None
+        self._owners: dict[asyncio.Future[None], Hashable] = {}
+        """The client of each waiting future."""
 
-    async def acquire(self, priority: int) -> None:
+    async def acquire(self, priority: int, client: Hashable = None) -> None:
+        """A slot for ``client`` (an API key's name or an address), or RateLimitError."""
         if self.unlimited:  # the common case costs one increment
             self.queue.inflight += 1
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        admission = self.queue.admit(priority, future)
+        admission = self.queue.admit(priority, future, client)
         if admission.displaced is not None:
             admission.displaced.set_exception(_shed("displaced by a higher-priority request"))
         if admission.decision is Decision.ADMITTED:
             return
         if admission.decision is Decision.SHED:
             raise _shed("the queue for this model is full")
-        await self._wait(future)
+        self._owners[future] = client
+        try:
+            await self._wait(future, client)
+        finally:
+            self._owners.pop(future, None)
 
-    async def _wait(self, future: asyncio.Future[None]) -> None:
+    async def _wait(self, future: asyncio.Future[None], client: Hashable) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(future), self.queue_timeout)
         except TimeoutError:
-            self._leave(future)
+            self._leave(future, client)
             raise _shed(f"waited {self.queue_timeout:g}s in the queue") from None
         except asyncio.CancelledError:
-            self._leave(future)
+            self._leave(future, client)
             raise
 
-    def _leave(self, future: asyncio.Future[None]) -> None:
+    def _leave(self, future: asyncio.Future[None], client: Hashable) -> None:
         if future.done() and not future.cancelled() and future.exception() is None:
-            self.release()  # admitted just as we gave up: hand the slot on
+            self.release(client)  # admitted just as we gave up: hand the slot on
         else:
             self.queue.cancel(future)
             future.cancel()
 
-    def release(self) -> None:
+    def release(self, client: Hashable = None) -> None:
         if self.unlimited:
             self.queue.inflight -= 1
             return
-        while (waiter := self.queue.release()) is not None:
+        while (waiter := self.queue.release(client)) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 return
-            # a waiter that already left holds no slot: pass it on to the next one
+            # a waiter that already left holds no slot: pass it on to the next one. Its client's
+            # in-flight count was raised when it was chosen: lower it again.
+            client = self._owners.pop(waiter, None)
 
 
 def _shed(why: str) -> RateLimitError:

@@ -1,39 +1,86 @@
 """A small HTTP/1.1 server for the gateway's data path: ``asyncio.Protocol`` + ``httptools``.
 
-Why not aiohttp's server: profiled under load, its request machinery (protocol, application,
-middlewares, response objects) cost more than the gateway's own work (docs/gateway.md). This
-server parses with httptools (C), runs one task per request, writes each
-answer with one ``transport.write`` and streams with chunked encoding. What it does not do it
-does not need: no TLS (the gateway sits behind a Service or Envoy), no multipart, no websockets.
+Why not aiohttp, uvicorn or granian: measured per request, this server costs the least CPU and
+adds the least latency on the gateway's path, and passes the same attack suite
+(``bench/bench_gateway.py --http-layers``; docs/gateway.md has the figures). It parses with
+httptools (llhttp, C), runs one task per connection, writes each answer with one
+``transport.write`` and streams with chunked encoding. No TLS (the gateway sits behind a
+Service or Envoy), no multipart, no websockets, no upgrades.
 
     async def handle(request: Request, out: Responder) -> None: ...
-    server = await serve_http(handle, reject, "127.0.0.1", 8080, max_body=8 << 20)
+    server = await serve_http(handle, reject, "127.0.0.1", 8080, Limits(max_body=8 << 20))
 
-A client that disconnects cancels its request's task (which closes the upstream connection).
+Limits, each answered as production proxies answer it (``Limits`` has the defaults):
+
+* request line (URL) over ``max_request_line`` → 414; header bytes over ``max_header_bytes`` or
+  more than ``max_headers`` headers → 431; a body over ``max_body`` → 413. The connection closes.
+* a request whose headers are not complete ``header_timeout`` after its first byte, or whose body
+  is not complete ``body_timeout`` after its headers → 408, then the connection closes (slowloris);
+* a keep-alive connection idle for ``keep_alive_timeout`` (a new one silent for
+  ``header_timeout``) is closed;
+* a client that reads nothing of its answer for ``write_timeout`` is dropped: its handler is
+  cancelled, which closes the upstream request and frees its flow-control slot;
+* at ``max_connections`` open connections, the longest-idle keep-alive connection is closed to
+  make room; when none is idle, the newcomer's request gets a 503 with ``Retry-After`` and its
+  connection is closed. Nothing already in progress is touched.
+
+Pipelined requests are answered in order, each after the one before it; at most
+``max_pipelined`` wait, then reading pauses (TCP backpressure). An error found while an earlier
+request is still being answered (a malformed or oversized pipelined request) is answered in its
+turn, never in the middle of another answer. Deadlines are checked by one sweep per server every
+``tick`` seconds, not by a timer per request (a timer costs more than the rest of a request's
+bookkeeping). A client that disconnects cancels its request's handler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import httptools
 
 Header = tuple[str, str]
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+_IDLE, _HEAD, _BODY = 0, 1, 2  # where the parser is in the next request
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one client may send and how long it may take (defaults: like nginx and Envoy)."""
+
+    max_body: int = 8 << 20
+    max_request_line: int = 8192
+    max_header_bytes: int = 65536
+    max_headers: int = 100
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    keep_alive_timeout: float = 60.0
+    write_timeout: float = 60.0
+    max_connections: int = 4096
+    max_pipelined: int = 16
+
+    @property
+    def tick(self) -> float:
+        """How often deadlines are checked: a tenth of the shortest, at most once a second."""
+        shortest = min(self.header_timeout, self.body_timeout, self.keep_alive_timeout, self.write_timeout)
+        return max(0.01, min(1.0, shortest / 10))
 
 
 class Request:
-    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive")
+    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "peer")
 
     def __init__(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool) -> None:
+                 keep_alive: bool, peer: str = "") -> None:
         self.method, self.path, self.query = method, path, query
         self.headers = headers
         """Lower-case names."""
         self.body, self.keep_alive = body, keep_alive
+        self.peer = peer
+        """The client's address (host), for per-client fairness without API keys."""
 
 
 class Responder:
@@ -64,7 +111,7 @@ class Responder:
         self._conn.write(self._head(status, headers, "Transfer-Encoding: chunked\r\n"))
 
     async def write(self, chunk: bytes) -> None:
-        """One chunk of a stream; ConnectionResetError once the client has gone."""
+        """One chunk of a stream; ConnectionResetError once the client has gone (or stopped reading)."""
         if chunk:
             self._conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
             await self._conn.drain()
@@ -81,19 +128,92 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 Fallback = Callable[[Responder, int, str], None]
 
 
+class _Refused(Exception):
+    """Raised inside a parser callback: stop parsing, answer ``status``, close."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Rejection:
+    """An answer queued in a request's place (in order with pipelined answers), then close."""
+
+    __slots__ = ("status", "message")
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+
+
+class _Server:
+    """What a listening server shares with its connections: limits, open connections, the sweep."""
+
+    def __init__(self, handler: Handler, fallback: Fallback, limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
+        self.handler, self.fallback, self.limits, self.loop = handler, fallback, limits, loop
+        self.conns: set[_Connection] = set()
+        self.idle: dict[_Connection, None] = {}
+        """Connections between requests, longest idle first: the ones closed to make room."""
+        self.counts: dict[str, int] = {}
+        """Connections closed or requests refused by the limits, by reason (metrics)."""
+        self.sweeper: asyncio.TimerHandle | None = None
+
+    def count(self, reason: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def opened(self, conn: _Connection) -> None:
+        if len(self.conns) >= self.limits.max_connections:
+            if self.idle:
+                victim = next(iter(self.idle))
+                victim.close_quietly()
+                self.forget(victim)
+                self.count("evicted_idle")
+            else:
+                conn.overloaded = True
+                self.count("over_connection_limit")
+        self.conns.add(conn)
+        self.idle[conn] = None
+
+    def forget(self, conn: _Connection) -> None:
+        self.conns.discard(conn)
+        self.idle.pop(conn, None)
+
+    def sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.conns):
+            if conn.write_deadline and now > conn.write_deadline:
+                self.count("write_timeout")
+                conn.abort()
+            elif not conn.busy and now > conn.deadline:
+                conn.expire()
+        self.sweeper = self.loop.call_later(self.limits.tick, self.sweep)
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self, handler: Handler, fallback: Fallback, max_body: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.handler, self.fallback, self.max_body = handler, fallback, max_body
-        self._loop = loop  # kept: asyncio.get_running_loop() costs a getpid() system call per call
+    def __init__(self, server: _Server) -> None:
+        self.server, self.limits = server, server.limits
+        self.handler, self.fallback = server.handler, server.fallback
+        self._loop = server.loop  # kept: asyncio.get_running_loop() costs a getpid() system call per call
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.closed = False
+        self.peer = ""
+        self.phase = _IDLE
+        self.busy = False
+        """A request is queued or being answered: read deadlines wait until it is done."""
+        self.deadline = self._loop.time() + self.limits.header_timeout
+        self.write_deadline = 0.0
+        self.overloaded = False
+        self._dead = False  # the parser failed or a limit was hit: nothing more is read
+        self._reading = True
+        self._head_bytes = 0
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._header_count = 0
+        self._header_bytes = 0
         self._body: list[bytes] = []
         self._size = 0
         self._too_large = False
-        self._pending: deque[Request] = deque()
+        self._pending: deque[Request | _Rejection] = deque()
         self._task: asyncio.Task[None] | None = None
         self._more: asyncio.Future[None] | None = None  # the task waits on it for the next request
         self._writable: asyncio.Future[None] | None = None
@@ -102,17 +222,38 @@ class _Connection(asyncio.Protocol):
     # --- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self.server.opened(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._dead:
+            return
+        if self.phase != _BODY:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Refused):
+                self._refuse(cause.status, cause.message)
+            else:
+                self._refuse(400, "malformed HTTP request")
         except httptools.HttpParserUpgrade:
-            self._reject(400, "protocol upgrades are not supported")
+            self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
-            self._reject(400, f"malformed HTTP request: {exc}")
+            self._refuse(400, f"malformed HTTP request: {exc}")
+        else:
+            # httptools buffers a header line until it ends: bound what it may hold
+            if self.phase != _BODY and self._head_bytes > self.limits.max_request_line + self.limits.max_header_bytes:
+                if self._header_count == 0:
+                    self._refuse(414, f"request line over the {self.limits.max_request_line}-byte limit")
+                else:
+                    self._refuse(431, f"request headers over the {self.limits.max_header_bytes}-byte limit")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.server.forget(self)
         self._pending.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -120,50 +261,83 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._paused = True
+        self.write_deadline = self._loop.time() + self.limits.write_timeout
 
     def resume_writing(self) -> None:
         self._paused = False
+        self.write_deadline = 0.0
         self._wake_writer()
 
     # --- httptools callbacks --------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size, self._too_large = b"", {}, [], 0, False
+        self._header_count = self._header_bytes = 0
+        self.phase = _HEAD
+        self.server.idle.pop(self, None)
+        if not self.busy:
+            self.deadline = self._loop.time() + self.limits.header_timeout
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self.limits.max_request_line:
+            raise _Refused(414, f"request line over the {self.limits.max_request_line}-byte limit")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_count > self.limits.max_headers:
+            raise _Refused(431, f"more than {self.limits.max_headers} request headers")
+        if self._header_bytes > self.limits.max_header_bytes:
+            raise _Refused(431, f"request headers over the {self.limits.max_header_bytes}-byte limit")
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self.phase = _BODY
+        self._head_bytes = 0
+        if not self.busy:
+            self.deadline = self._loop.time() + self.limits.body_timeout
         length = self._headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body:
             self._too_large = True
-        elif self._headers.get("expect", "").lower() == "100-continue":
+        elif (self._headers.get("expect", "").lower() == "100-continue" and not self.busy
+              and not self.overloaded):  # never in the middle of an earlier request's answer
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size > self.max_body:
+        if self._size > self.limits.max_body:
             self._too_large = True
         elif not self._too_large:
             self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._too_large:
-            self._reject(413, f"request body is over the {self.max_body}-byte limit")
-            return
-        path, _, query = self._url.decode("latin-1").partition("?")
-        request = Request(self.parser.get_method().decode(), path, query, self._headers,
-                          b"".join(self._body), self.parser.should_keep_alive())
-        self._pending.append(request)  # pipelined ones are answered in order
+        self.phase = _IDLE
+        self._head_bytes = 0
+        if self.overloaded:
+            self._enqueue(_Rejection(503, "the gateway has too many open connections; retry later"))
+        elif self._too_large:
+            self._enqueue(_Rejection(413, f"request body is over the {self.limits.max_body}-byte limit"))
+        else:
+            path, _, query = self._url.decode("latin-1").partition("?")
+            self._enqueue(Request(self.parser.get_method().decode(), path, query, self._headers,
+                                  b"".join(self._body), self.parser.should_keep_alive(), self.peer))
+
+    # --- requests -------------------------------------------------------------------------
+    def _enqueue(self, item: Request | _Rejection) -> None:
+        pending = self._pending
+        pending.append(item)  # pipelined ones are answered in order
+        self.busy = True
+        if isinstance(item, _Rejection):
+            self._stop_reading()
+        elif len(pending) >= self.limits.max_pipelined and self._reading and self.transport is not None:
+            self._reading = False
+            self.transport.pause_reading()
         if self._task is None:
             self._task = self._loop.create_task(self._serve())
         elif self._more is not None:
             more, self._more = self._more, None
             more.set_result(None)
 
-    # --- requests -------------------------------------------------------------------------
     async def _serve(self) -> None:
         """The connection's one task: its requests in order, then waits for the next one.
 
@@ -174,13 +348,34 @@ class _Connection(asyncio.Protocol):
         try:
             while True:
                 if not pending:
+                    self._rest()
                     self._more = self._loop.create_future()
                     await self._more
                     continue
-                if not await self._run(pending.popleft()):
+                item = pending.popleft()
+                if not self._reading and not self._dead and len(pending) < self.limits.max_pipelined:
+                    self._reading = True
+                    self.transport.resume_reading()  # type: ignore[union-attr]
+                if isinstance(item, _Rejection):
+                    self._answer_and_close(item.status, item.message)
+                    return
+                if not await self._run(item):
                     return
         except asyncio.CancelledError:  # the client left
             return
+
+    def _rest(self) -> None:
+        """Nothing left to answer: the read deadline of whatever comes next starts now."""
+        self.busy = False
+        now = self._loop.time()
+        if self.phase == _HEAD:
+            self.deadline = now + self.limits.header_timeout
+        elif self.phase == _BODY:
+            self.deadline = now + self.limits.body_timeout
+        else:
+            self.deadline = now + self.limits.keep_alive_timeout
+            if not self.closed:
+                self.server.idle[self] = None
 
     async def _run(self, request: Request) -> bool:
         """Answer one request; whether the connection stays open for the next."""
@@ -197,19 +392,39 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return False
         if not request.keep_alive:
-            self.transport.close()  # type: ignore[union-attr]
-            self.closed = True
+            self.close_quietly()
             return False
         return True
 
-    def _reject(self, status: int, message: str) -> None:
-        """An answer the request never reaches a handler for; the connection then closes."""
+    def _refuse(self, status: int, message: str) -> None:
+        """A limit or a parse error: read nothing more; answer in turn, then close."""
+        self.server.count(f"status_{status}")
+        self._dead = True
+        self._enqueue(_Rejection(status, message))
+
+    def _answer_and_close(self, status: int, message: str) -> None:
         if self.closed:
             return
-        out = Responder(self, keep_alive=False)
-        self.fallback(out, status, message)
-        self.transport.close()  # type: ignore[union-attr]
-        self.closed = True
+        self.fallback(Responder(self, keep_alive=False), status, message)
+        self.close_quietly()
+
+    def _stop_reading(self) -> None:
+        self._dead = True
+        if self._reading and self.transport is not None and not self.closed:
+            self._reading = False
+            self.transport.pause_reading()
+
+    def expire(self) -> None:
+        """A read deadline passed with nothing to answer: 408 mid-request, else just close."""
+        if self.phase == _IDLE:
+            self.server.count("keep_alive_timeout")
+            self.close_quietly()
+        else:
+            self.server.count("header_timeout" if self.phase == _HEAD else "body_timeout")
+            self._dead = True
+            what = "headers" if self.phase == _HEAD else "body"
+            self._answer_and_close(408, f"the request's {what} did not arrive in time")
+        self.server.forget(self)
 
     # --- writing --------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
@@ -230,17 +445,60 @@ class _Connection(asyncio.Protocol):
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
+    def close_quietly(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
 
 
-async def serve_http(handler: Handler, fallback: Fallback, host: str, port: int, *,
-                     max_body: int, backlog: int = 4096, reuse_port: bool = False) -> asyncio.Server:
+class HttpServer:
+    """A listening server: ``sockets``, ``counts`` (what the limits refused), ``close()``."""
+
+    def __init__(self, server: asyncio.Server, state: _Server) -> None:
+        self._server, self._state = server, state
+
+    @property
+    def sockets(self) -> tuple[object, ...]:
+        return tuple(self._server.sockets)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self._state.counts
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._state.conns)
+
+    def close(self) -> None:
+        """Stop listening and close idle keep-alive connections; answers in progress go on."""
+        self._server.close()
+        if self._state.sweeper is not None:
+            self._state.sweeper.cancel()
+            self._state.sweeper = None
+        for conn in list(self._state.idle):
+            conn.close_quietly()
+
+
+async def serve_http(handler: Handler, fallback: Fallback, host: str, port: int, limits: Limits | None = None, *,
+                     max_body: int | None = None, backlog: int = 4096, reuse_port: bool = False) -> HttpServer:
     """Listen; ``fallback(out, status, message)`` writes answers for requests that never reach
-    ``handler`` (malformed HTTP, oversized bodies)."""
+    ``handler`` (malformed HTTP, limits, timeouts, overload)."""
+    limits = limits or Limits()
+    if max_body is not None:
+        limits = dataclasses.replace(limits, max_body=max_body)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Connection(handler, fallback, max_body, loop), host, port,
+    state = _Server(handler, fallback, limits, loop)
+    server = await loop.create_server(lambda: _Connection(state), host, port,
                                       backlog=backlog, reuse_address=True, reuse_port=reuse_port)
-    return server
+    state.sweeper = loop.call_later(limits.tick, state.sweep)
+    return HttpServer(server, state)

@@ -100,6 +100,8 @@ class GatewayMetrics:
         self.mode = Counter("kvflow_gateway_routed", "Requests routed, by serving mode (pd or aggregated).",
                             ("model", "mode"))
         self.failures = Counter("kvflow_gateway_failures", "Failures, by kind.", ("model", "reason"))
+        self.http_refusals: dict[str, int] = {}
+        """The HTTP server's own: connections closed and requests refused by its limits, by reason."""
         self._models: dict[str, ModelMetrics] = {}
         self.registry = CollectorRegistry()
         self.registry.register(self)  # type: ignore[arg-type]
@@ -125,6 +127,12 @@ class GatewayMetrics:
             yield family
         for counter in (self.requests, self.retries, self.mode, self.failures):
             yield counter.family()
+        refusals = CounterMetricFamily("kvflow_gateway_http_refusals", "Client connections closed or requests "
+                                       "refused by the HTTP limits (timeouts, sizes, connection cap), by reason.",
+                                       labels=["reason"])
+        for reason, n in sorted(self.http_refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
         for attr, name, doc in _GAUGES:
             gauge = GaugeMetricFamily(name, doc, labels=["model"])
             for model, m in models:

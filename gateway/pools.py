@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from kvflow.gateway.config import FlowConfig, PoolConfig
 from kvflow.gateway.flow import Gate
 from kvflow.gateway.metrics import GatewayMetrics, ModelMetrics
+from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.endpoints import Endpoint
 
@@ -22,11 +23,14 @@ class PoolRouter(Protocol):
 
     def tokenize(self, body: Mapping[str, Any]) -> list[int]: ...
 
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+    async def prepare(self, request: SchedulingRequest) -> None: ...
+
     def schedule(self, request: SchedulingRequest) -> SchedulingResult: ...
 
-    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None: ...
-
-    def request_finished(self, request: SchedulingRequest, result: SchedulingResult, *, ok: bool) -> None: ...
+    def flight(self, request: SchedulingRequest, result: SchedulingResult) -> Flight: ...
 
     def mark_failed(self, endpoint: Endpoint) -> None: ...
 
@@ -49,13 +53,16 @@ def build_router(config: PoolConfig) -> PoolRouter:
 
     source = config.router_config
     if source is None or isinstance(source, dict):  # the router's metrics name the pool by its model
-        source = {**(source or {}), "pool": {"name": config.model, **(source or {}).get("pool", {})}}
+        pool = {"name": config.model, "model": config.model, "loras": list(config.loras)}
+        source = {**(source or {}), "pool": {**pool, **(source or {}).get("pool", {})}}
     router_config = load_config(source)
     tokenizer = load_tokenizer(config.tokenizer)
-    router: PoolRouter = Router(router_config, config.all_endpoints(), profile=config.profile, tokenizer=tokenizer)
+    router = Router(router_config, config.all_endpoints(), profile=config.profile, tokenizer=tokenizer)
+    if router_config.max_prompt_tokens is None and config.max_model_len:
+        router.max_prompt_tokens = config.max_model_len  # vLLM's own limit, known before a pod refuses
     return router
 
 
 def build_pool(model: str, router: PoolRouter, flow: FlowConfig, metrics: GatewayMetrics) -> Pool:
-    gate = Gate(flow.max_inflight, flow.max_queue, flow.queue_timeout)
+    gate = Gate(flow.max_inflight, flow.max_queue, flow.queue_timeout, flow.max_inflight_per_client)
     return Pool(model, router, gate, metrics.model(model))

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
 from kvflow.errors import KvflowError, UpstreamError
+from kvflow.gateway.body import scrub_answer
 from kvflow.gateway.config import TimeoutConfig
 from kvflow.gateway.http1 import ConnectError, ConnectionPool, Response
 from kvflow.gateway.httpserver import Responder
 from kvflow.endpoints import Endpoint
 
+log = logging.getLogger("kvflow.gateway")
 SSE_CONTENT_TYPE = "text/event-stream"
 _DONE = b"data: [DONE]\n\n"
 
@@ -36,6 +39,7 @@ class AttemptFailed(Exception):
 
 
 OnFailure = Callable[[Endpoint, AttemptFailed], None]
+OnAttempt = Callable[[Endpoint], None]
 
 
 @dataclass(slots=True)
@@ -136,15 +140,18 @@ class Answer:
 
 async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoint], path: str,
                       body: bytes, headers: Mapping[str, str], *, stream: bool,
-                      on_failure: OnFailure | None = None) -> Answer:
+                      on_attempt: OnAttempt | None = None, on_failure: OnFailure | None = None) -> Answer:
     """The first pod in ``targets`` that answers; UpstreamError when none does.
 
-    ``on_failure(endpoint, failure)`` hears about every failed attempt (metrics, router).
+    ``on_attempt(endpoint)`` hears about every attempt before it is sent, and
+    ``on_failure(endpoint, failure)`` about every one that failed (metrics, the router's accounting).
     """
     failures: list[str] = []
     for endpoint in targets:
         if failures:
             ex.retries += 1
+        if on_attempt is not None:
+            on_attempt(endpoint)
         try:
             response = await upstream.send(endpoint, path, body, headers)
             ex.endpoint = endpoint
@@ -152,17 +159,24 @@ async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoi
                 return Answer(endpoint, response, first_chunk=await upstream.first_chunk(endpoint, response))
             return Answer(endpoint, response, body=await upstream.read_body(endpoint, response))
         except AttemptFailed as failure:
-            failures.append(str(failure))
+            failures.append(_said(failure.reason))
             if on_failure is not None:
                 on_failure(endpoint, failure)
-    tried = "; ".join(failures) or "no endpoint to try"
+            else:
+                log.warning("request %s: attempt on %s failed: %s", ex.request_id, endpoint.id, failure)
+    # the client learns what went wrong, not which pods exist (their addresses are in the log)
+    tried = f"{len(failures)} attempt(s) failed: {', '.join(failures)}" if failures else "no endpoint to try"
     raise UpstreamError(f"no model server could serve the request ({tried})")
+
+
+def _said(reason: str) -> str:
+    return f"HTTP {reason[7:]}" if reason.startswith("status_") else reason
 
 
 def whole_response(out: Responder, ex: Exchange, answer: Answer) -> None:
     assert answer.body is not None
     ex.status = answer.response.status
-    out.send(ex.status, answer.body, [("Content-Type", answer.response.content_type or "application/json"),
+    out.send(ex.status, scrub_answer(answer.body), [("Content-Type", answer.response.content_type or "application/json"),
                                       ("X-Request-Id", ex.request_id)])
 
 
@@ -195,8 +209,9 @@ async def _pump(upstream: Response, out: Responder, ex: Exchange, last: float, i
         except (OSError, TimeoutError) as exc:
             upstream.close()
             ex.error = "midstream"
+            log.warning("request %s: %s failed mid-stream: %s", ex.request_id, ex.upstream, exc)
             await write(sse_error(UpstreamError(
-                f"the model server {ex.upstream} failed mid-stream ({exc}); the answer is incomplete"
+                f"the model server failed mid-stream ({type(exc).__name__}); the answer is incomplete"
             )))
             return
         if not chunk:

@@ -4,21 +4,29 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
+import logging
+import resource
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvflow.errors import InvalidRequestError, KvflowError, PayloadTooLargeError
+from kvflow.errors import (
+    HeadersTooLargeError, InvalidRequestError, KvflowError, NoCapacityError, PayloadTooLargeError, RequestTimeoutError,
+    UriTooLongError,
+)
 from kvflow.gateway import auth as auth_mod
 from kvflow.gateway.app import Gateway, build_gateway
 from kvflow.gateway.config import AuthConfig, GatewayConfig
-from kvflow.gateway.httpserver import Handler, Responder, serve_http
+from kvflow.gateway.httpserver import Handler, HttpServer, Limits, Responder, serve_http
 from kvflow.gateway.pools import PoolRouter
 from kvflow.gateway.proxy import send_error
 
 if TYPE_CHECKING:
     from kvflow.gateway.batch.service import BatchService
+
+log = logging.getLogger("kvflow.gateway")
 
 
 async def load_auth(config: AuthConfig) -> auth_mod.Authenticator:
@@ -32,23 +40,58 @@ async def load_auth(config: AuthConfig) -> auth_mod.Authenticator:
     return auth_mod.Authenticator(keys)
 
 
+_REJECTIONS: dict[int, type[KvflowError]] = {
+    400: InvalidRequestError, 408: RequestTimeoutError, 413: PayloadTooLargeError, 414: UriTooLongError,
+    431: HeadersTooLargeError, 503: NoCapacityError,
+}
+
+
 def reject(out: Responder, status: int, message: str) -> None:
-    """Answers for requests that never reach a handler (malformed HTTP, oversized bodies)."""
-    exc: KvflowError = {400: InvalidRequestError, 413: PayloadTooLargeError}.get(status, KvflowError)(message)
+    """Answers for requests that never reach a handler (malformed HTTP, limits, timeouts, overload)."""
+    exc = _REJECTIONS.get(status, KvflowError)(message, retry_after=1.0 if status == 503 else None)
     send_error(out, exc, "-")
 
 
-async def listen(handler: Handler, host: str, port: int, max_body: int,
-                 reuse_port: bool = False) -> tuple[asyncio.Server, int]:
-    server = await serve_http(handler, reject, host, port, max_body=max_body, reuse_port=reuse_port)
-    return server, server.sockets[0].getsockname()[1]
+def limits_of(config: GatewayConfig) -> Limits:
+    h = config.http
+    return Limits(max_body=config.max_body_bytes, max_request_line=h.max_request_line_bytes,
+                  max_header_bytes=h.max_header_bytes, max_headers=h.max_headers, header_timeout=h.header_timeout,
+                  body_timeout=h.body_timeout, keep_alive_timeout=h.keep_alive_timeout,
+                  write_timeout=h.write_timeout, max_connections=h.max_connections, max_pipelined=h.max_pipelined)
+
+
+async def listen(handler: Handler, host: str, port: int, limits: Limits | int,
+                 reuse_port: bool = False) -> tuple[HttpServer, int]:
+    """Serve ``handler``; ``limits`` (or just the largest body) bounds what clients may send."""
+    if isinstance(limits, int):
+        limits = Limits(max_body=limits)
+    allowed = raise_fd_limit(limits.max_connections)
+    if allowed < limits.max_connections:
+        log.warning("max_connections lowered from %d to %d by the open-file limit", limits.max_connections, allowed)
+        limits = dataclasses.replace(limits, max_connections=allowed)
+    server = await serve_http(handler, reject, host, port, limits, reuse_port=reuse_port)
+    return server, server.port
+
+
+def raise_fd_limit(connections: int) -> int:
+    """Let the process hold ``connections`` client sockets and as many to the pods, if the hard
+    limit allows (the soft limit is often 1024): past it accept() fails instead of degrading.
+    The number of client connections the limit leaves room for."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return connections if soft == resource.RLIM_INFINITY else max(1, min(connections, (soft - 256) // 2))
 
 
 @dataclass
 class RunningGateway:
     gateway: Gateway
     routers: dict[str, PoolRouter]
-    server: asyncio.Server
+    server: HttpServer
     port: int
     batch: BatchService | None = None
 
@@ -73,8 +116,9 @@ async def start_gateway(config: GatewayConfig, routers: Mapping[str, PoolRouter]
     await gateway.upstream.start()
     for router in chosen.values():
         await router.start()
-    server, port = await listen(gateway.handle, config.host, config.port, config.max_body_bytes,
+    server, port = await listen(gateway.handle, config.host, config.port, limits_of(config),
                                 reuse_port=config.workers > 1)
+    gateway.http = server
     if batch is not None:
         from kvflow.gateway.batch.service import replica_name
 

@@ -27,5 +27,6 @@ def main(argv: Sequence[str]) -> int:
         print(f"kvflow bench: no benchmark {name!r}; have: {', '.join(names)}", file=sys.stderr)
         return 2
     sys.argv = [f"bench_{name}.py", *rest]
+    sys.path.insert(0, str(BENCH_DIR))  # as ``python bench/bench_NAME.py`` would: the harness imports
     runpy.run_path(str(BENCH_DIR / f"bench_{name}.py"), run_name="__main__")
     return 0

@@ -5,7 +5,10 @@
      ├── AuthenticationError       401 AuthenticationError   missing or unknown API key
      ├── NotFoundError             404 NotFoundError         no such file or batch (the Batch API)
      │    └── ModelNotFoundError   404 NotFoundError         no pool serves the model
+     ├── RequestTimeoutError       408 RequestTimeoutError   headers or body not received in time
      ├── PayloadTooLargeError      413 BadRequestError       body over the configured limit
+     ├── UriTooLongError           414 BadRequestError       request line over the configured limit
+     ├── HeadersTooLargeError      431 BadRequestError       too many or too large request headers
      ├── RateLimitError            429 RateLimitError        shed or over a key's rate (Retry-After)
      ├── UpstreamError             502 BadGatewayError       a model server failed
      └── NoCapacityError           503 ServiceUnavailableError  no endpoint can take the request
@@ -59,8 +62,23 @@ class ModelNotFoundError(NotFoundError):
         super().__init__(f"The model `{model}` does not exist.", param="model")
 
 
+class RequestTimeoutError(KvflowError):
+    status = 408
+    type = "RequestTimeoutError"
+
+
 class PayloadTooLargeError(KvflowError):
     status = 413
+    type = "BadRequestError"
+
+
+class UriTooLongError(KvflowError):
+    status = 414
+    type = "BadRequestError"
+
+
+class HeadersTooLargeError(KvflowError):
+    status = 431
     type = "BadRequestError"
 
 

@@ -79,6 +79,10 @@ class KubernetesSpec(_Strict):
 
 class PoolSpec(_Strict):
     name: str = "default"
+    model: str | None = None
+    """The base model the pool serves (requests naming it, or one of ``loras``, are this pool's)."""
+    loras: list[str] = Field(default_factory=list)
+    """LoRA adapters the pods serve, by the names clients put in ``model``."""
     endpoints: list[EndpointSpec] = Field(default_factory=list)
     kubernetes: KubernetesSpec | None = None
 
@@ -103,8 +107,19 @@ class ConfigSpec(_Strict):
     block_size: int = Field(default=16, alias="blockSize", gt=0)
     hash_seed: str = Field(default="0", alias="hashSeed")
     hash_algo: Literal["sha256", "sha256_cbor"] = Field(default="sha256", alias="hashAlgo")
-    scrape_interval: float = Field(default=0.05, alias="scrapeIntervalSeconds", gt=0)
+    scrape_interval: float = Field(default=0.5, alias="scrapeIntervalSeconds", gt=0)
+    """Seconds between scrapes of a pod with load (the router's own accounting fills the gaps)."""
+    scrape_idle_interval: float = Field(default=2.0, alias="scrapeIdleIntervalSeconds", gt=0)
+    """Seconds between scrapes of an idle pod."""
     stale_after: float = Field(default=1.0, alias="staleAfterSeconds", gt=0)
+    """A pod that does not answer a scrape within this long drops out until one succeeds."""
+    step_tokens: int = Field(default=256, alias="stepTokens", ge=0)
+    """An engine step's fixed cost, in prompt tokens of prefill work (the TTFT estimate's unit)."""
+    max_prompt_tokens: int | None = Field(default=None, alias="maxPromptTokens", gt=0)
+    """Longest prompt scheduled (a 400 beyond); by default the pods' context length when the
+    gateway learns it from ``/v1/models``, else ``DEFAULT_MAX_PROMPT_TOKENS``."""
+    prefill_rate: float = Field(default=20_000.0, alias="prefillTokensPerSecond", gt=0)
+    """A pod's prefill speed until its first tokens are observed (its queue drains at this rate)."""
     approx_capacity: int = Field(default=8192, alias="approxCapacityBlocks", gt=0)
     seed: int = 0
     lora_paths: dict[str, str] = Field(default_factory=dict, alias="loraPaths")
@@ -116,6 +131,9 @@ class ConfigSpec(_Strict):
     plugins: list[PluginSpec] = Field(default_factory=list)
     scheduling_profiles: list[ProfileSpec] = Field(default_factory=list, alias="schedulingProfiles")
 
+
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
+"""A million tokens: no model server takes more, and hashing more would hold the router for long."""
 
 _FILTERS = ["model-filter", "healthy-filter"]
 BUILTIN_PLUGINS: tuple[PluginSpec, ...] = tuple(
@@ -134,6 +152,7 @@ BUILTIN_PLUGINS: tuple[PluginSpec, ...] = tuple(
         ("active-requests", "active-request-scorer"),
         ("lora-affinity", "lora-affinity-scorer"),
         ("session-affinity", "session-affinity-scorer"),
+        ("ttft", "ttft-scorer"),
         ("max-score", "max-score-picker"),
         ("weighted-random", "weighted-random-picker"),
         ("round-robin", "round-robin-picker"),
@@ -161,9 +180,8 @@ BUILTIN_PROFILES: tuple[ProfileSpec, ...] = (
         "default",
         [
             *_GUARDED,
-            ("prefix-precise", 2),
+            ("ttft", 4),
             ("kv-cache", 1),
-            ("queue", 1),
             ("lora-affinity", 1),
             ("session-affinity", 1),
             "max-score",
@@ -177,8 +195,12 @@ class RouterConfig:
     block_size: int = 16
     hash_seed: str = "0"
     hash_algo: str = "sha256"
-    scrape_interval: float = 0.05
+    scrape_interval: float = 0.5
+    scrape_idle_interval: float = 2.0
     stale_after: float = 1.0
+    step_tokens: int = 256
+    prefill_rate: float = 20_000.0
+    max_prompt_tokens: int | None = None
     approx_capacity: int = 8192
     seed: int = 0
     lora_paths: Mapping[str, str] = field(default_factory=dict)
@@ -190,6 +212,8 @@ class RouterConfig:
     pd_threshold: int = 256
     pd_prefill_profile: str | None = None
     pool_name: str = "default"
+    model: str | None = None
+    loras: frozenset[str] = frozenset()
     endpoints: tuple[Endpoint, ...] = ()
     kv_event_endpoints: Mapping[str, str] = field(default_factory=dict)
     """Endpoint id → ZMQ address, where it is not the default."""
@@ -227,7 +251,11 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None) -> RouterC
         hash_seed=spec.hash_seed,
         hash_algo=spec.hash_algo,
         scrape_interval=spec.scrape_interval,
+        scrape_idle_interval=spec.scrape_idle_interval,
         stale_after=spec.stale_after,
+        step_tokens=spec.step_tokens,
+        prefill_rate=spec.prefill_rate,
+        max_prompt_tokens=spec.max_prompt_tokens,
         approx_capacity=spec.approx_capacity,
         seed=spec.seed,
         lora_paths=dict(spec.lora_paths),
@@ -239,6 +267,8 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None) -> RouterC
         pd_threshold=spec.pd.threshold,
         pd_prefill_profile=spec.pd.prefill_profile,
         pool_name=spec.pool.name,
+        model=spec.pool.model,
+        loras=frozenset(spec.pool.loras) | frozenset(spec.lora_paths),
         endpoints=endpoints,
         kv_event_endpoints={_endpoint(e).id: e.kv_events for e in spec.pool.endpoints if e.kv_events},
         kv_replay_endpoints={_endpoint(e).id: e.kv_events_replay for e in spec.pool.endpoints if e.kv_events_replay},

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvflow.router.model import EndpointView, EngineMetrics, LoadCounter
+from kvflow.router.model import DEFAULT_PREFILL_RATE, EndpointView, EngineMetrics, LoadCounter
 from kvflow.endpoints import Endpoint, EndpointId, Role
 
 
@@ -44,7 +44,9 @@ Listener = Callable[[Endpoint, bool], None]
 
 
 class Datastore:
-    def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
+    def __init__(self, endpoints: Iterable[Endpoint] = (), *, prefill_rate: float = DEFAULT_PREFILL_RATE) -> None:
+        self.prefill_rate = prefill_rate
+        """A new pod's prefill rate (tokens/s) until the router observes its own."""
         self._states: dict[EndpointId, _State] = {}
         self._snapshot: tuple[EndpointView, ...] | None = None
         self._by_role: tuple[list[EndpointView], list[EndpointView]] | None = None
@@ -72,7 +74,7 @@ class Datastore:
         for eid, ep in wanted.items():
             state = self._states.get(eid)
             if state is None:
-                self._states[eid] = _State(ep, EngineMetrics())
+                self._states[eid] = _State(ep, EngineMetrics(), counter=LoadCounter(default_rate=self.prefill_rate))
                 self._notify(ep, True)
             elif state.endpoint != ep:
                 state.endpoint = ep  # role or models changed: same pod, same cache
@@ -94,7 +96,7 @@ class Datastore:
         if state is None:
             return
         state.last_ok = now
-        state.counter.dispatched = 0  # the metrics now include what was sent before
+        state.counter.scraped()  # the metrics now include what was sent before
         if state.metrics == metrics and state.scrape_ok and not state.marked_failed:
             return  # nothing the scorers read changed: keep the view (and the snapshot)
         state.metrics = metrics
@@ -110,14 +112,6 @@ class Datastore:
             state.changed()
             self._invalidate()
 
-    def expire(self, now: float, stale_after: float) -> None:
-        """Endpoints not scraped successfully for ``stale_after`` seconds drop out."""
-        for state in self._states.values():
-            if state.scrape_ok and state.last_ok is not None and now - state.last_ok > stale_after:
-                state.scrape_ok = False
-                state.changed()
-                self._invalidate()
-
     def mark_failed(self, endpoint_id: EndpointId) -> None:
         state = self._states.get(endpoint_id)
         if state is not None and not state.marked_failed:
@@ -127,17 +121,21 @@ class Datastore:
 
     # -- request accounting ----------------------------------------------------------------
 
-    def started(self, endpoint_id: EndpointId) -> None:
+    def counter(self, endpoint_id: EndpointId) -> LoadCounter | None:
+        """The pod's live load counter, which ``kvflow.router.flight`` moves; None if it left."""
         state = self._states.get(endpoint_id)
-        if state is not None:
-            counter = state.counter
+        return state.counter if state is not None else None
+
+    def started(self, endpoint_id: EndpointId) -> None:
+        """One request sent there, with no token accounting (tests, simple callers)."""
+        counter = self.counter(endpoint_id)
+        if counter is not None:
             counter.in_flight += 1
             counter.dispatched += 1
 
     def finished(self, endpoint_id: EndpointId) -> None:
-        state = self._states.get(endpoint_id)
-        if state is not None and state.counter.in_flight > 0:
-            counter = state.counter
+        counter = self.counter(endpoint_id)
+        if counter is not None and counter.in_flight > 0:
             counter.in_flight -= 1
             if counter.dispatched > 0:
                 counter.dispatched -= 1

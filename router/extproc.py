@@ -38,7 +38,10 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvflow.errors import InvalidRequestError, KvflowError, from_exception
+from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingRequest, SchedulingResult
+from kvflow.router.request import scheduling_request as build_request
+from kvflow.router.request import tokens_off_loop
 from kvflow.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,9 @@ class _Exchange:
     body: bytearray = field(default_factory=bytearray)
     request: SchedulingRequest | None = None
     result: SchedulingResult | None = None
+    flight: Flight | None = None
     status: int = 0
+    streamed: bool = False
     finished: bool = False
     duplex_request: bool = True
     duplex_response: bool = True
@@ -120,22 +125,23 @@ def error_response(error: KvflowError) -> pb.ProcessingResponse:
     )
 
 
-def scheduling_request(router: Router, headers: dict[str, str], body: bytes) -> SchedulingRequest:
+def parse_body(body: bytes) -> dict[str, Any]:
     try:
         parsed: Any = json.loads(body) if body else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise InvalidRequestError("request body must be a JSON object")
-    model = parsed.get("model") or ""
-    lora = headers.get("x-lora") or None
-    return SchedulingRequest(
-        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
-        model=str(model),
-        token_ids=router.tokenize(parsed),
-        headers=headers,
-        lora=lora,
-        cache_salt=parsed.get("cache_salt") if isinstance(parsed.get("cache_salt"), str) else None,
+    return parsed
+
+
+async def scheduling_request(router: Router, headers: dict[str, str], body: bytes) -> SchedulingRequest:
+    """The request as the gateway would build it (``kvflow.router.request``), for the same routing."""
+    parsed = parse_body(body)
+    tokens = await tokens_off_loop(router.tokenize, parsed, len(body))
+    return build_request(
+        parsed, headers, tokens, request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        names=router.names, max_prompt_tokens=router.max_prompt_tokens,
     )
 
 
@@ -149,12 +155,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         ex = _Exchange()
         try:
             async for msg in request_iterator:
-                for resp in self._handle(ex, msg):
+                for resp in await self._handle(ex, msg):
                     yield resp
         finally:
-            self._finish(ex, ok=False)
+            self._finish(ex)
 
-    def _handle(self, ex: _Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def _handle(self, ex: _Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = msg.WhichOneof("request")
         if msg.HasField("protocol_config"):
             ex.duplex_request = msg.protocol_config.request_body_mode == FULL_DUPLEX
@@ -162,29 +168,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if kind == "request_headers":
             ex.headers = header_map(msg.request_headers)
             if msg.request_headers.end_of_stream:
-                return self._route(ex, with_body=False)
+                return await self._route(ex, with_body=False)
             if not ex.duplex_request:  # buffered: Envoy waits for this before sending the body
                 return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
             return []
         if kind == "request_body":
             ex.body += msg.request_body.body
             if msg.request_body.end_of_stream or msg.request_body.end_of_stream_without_message:
-                return self._route(ex, with_body=True)
+                return await self._route(ex, with_body=True)
             if not ex.duplex_request:
                 return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
             return []
         if kind == "response_headers":
-            ex.status = int(header_map(msg.response_headers).get(":status", "0") or 0)
+            headers = header_map(msg.response_headers)
+            ex.status = int(headers.get(":status", "0") or 0)
+            ex.streamed = headers.get("content-type", "").startswith("text/event-stream")
+            self._answered(ex)
             set_headers = [_set(PICKED_RESPONSE_HEADER, ex.result.targets[0].id)] if ex.result else []
             common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
             if msg.response_headers.end_of_stream:
-                self._finish(ex, ok=ex.status < 500)
+                self._finish(ex)
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
         if kind == "response_body":
             body = msg.response_body
             end = body.end_of_stream or body.end_of_stream_without_message
+            if ex.flight is not None and ex.status < 500 and (body.body or end):
+                # a stream's first event comes with its first token; a whole answer, at its end
+                ex.flight.first_token(observe=ex.streamed)
             if end:
-                self._finish(ex, ok=ex.status < 500)
+                self._finish(ex)
             if not ex.duplex_response:
                 return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
             mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body.body, end_of_stream=end))
@@ -194,20 +206,24 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if kind == "request_trailers":
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_trailers":
-            self._finish(ex, ok=ex.status < 500)
+            self._finish(ex)
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
-    def _route(self, ex: _Exchange, *, with_body: bool) -> list[pb.ProcessingResponse]:
+    async def _route(self, ex: _Exchange, *, with_body: bool) -> list[pb.ProcessingResponse]:
         try:
-            ex.request = scheduling_request(self.router, ex.headers, bytes(ex.body))
+            ex.request = await scheduling_request(self.router, ex.headers, bytes(ex.body))
+            await self.router.prepare(ex.request)
             ex.result = self.router.schedule(ex.request)
         except Exception as exc:  # every failure becomes an HTTP answer, never a broken stream
             error = from_exception(exc)
             if not isinstance(exc, KvflowError):
                 log.exception("scheduling failed")
             return [error_response(error)]
-        self.router.request_started(ex.request, ex.result)
+        ex.flight = flight = self.router.flight(ex.request, ex.result)
+        if ex.result.prefill is not None:  # the decode pod's sidecar runs the prefill leg
+            flight.send_prefill(ex.result.prefill)
+        flight.send(ex.result.targets[0], remote=ex.result.prefill is not None)
         if with_body and not ex.duplex_request:
             return [routing_response(ex.result, on_body=True)]
         out = [routing_response(ex.result)]
@@ -215,10 +231,20 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             out += body_responses(bytes(ex.body), request=True)
         return out
 
-    def _finish(self, ex: _Exchange, *, ok: bool) -> None:
-        if ex.request is not None and ex.result is not None and not ex.finished:
+    def _answered(self, ex: _Exchange) -> None:
+        """Response headers: Envoy reached the pick (its prefill leg, if any, is done), or did not."""
+        flight = ex.flight
+        if flight is None or ex.result is None:
+            return
+        served = ex.status < 500
+        flight.prefill_done(ok=served)
+        if not served:  # Envoy could not reach the pod, or the pod failed it: nothing was computed there
+            flight.failed(ex.result.targets[0])
+
+    def _finish(self, ex: _Exchange) -> None:
+        if ex.flight is not None and not ex.finished:
             ex.finished = True
-            self.router.request_finished(ex.request, ex.result, ok=ok)
+            ex.flight.finish()
 
 
 async def serve(router: Router, host: str, port: int) -> grpc.aio.Server:

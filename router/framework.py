@@ -36,6 +36,8 @@ class Cycle:
     seed: int | random.Random
     """The tie-break seed; replaced by its generator on the first ``rng`` read."""
     block_size: int
+    now: float = 0.0
+    """The router's clock when the cycle began (load estimates drain with time)."""
     data: dict[str, Any] = field(default_factory=dict)
     """Scratch space plugins share, e.g. prefix matches (``prefix:<kind>``) for the P/D decider."""
 

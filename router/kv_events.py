@@ -28,9 +28,11 @@ import zmq
 import zmq.asyncio
 
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
+from kvflow.throttle import ThrottledLog
 from kvflow.endpoints import Endpoint, EndpointId
 
 log = logging.getLogger(__name__)
+throttled = ThrottledLog(log)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +55,32 @@ class AllBlocksCleared:
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+MAX_HASHES_PER_EVENT = 1 << 16
+"""More blocks than any one request stores (a million-token prompt at block size 16)."""
+MAX_BLOCK_SIZE = 1 << 16
+
+
+class BadEvent(ValueError):
+    """A KV event that breaks the protocol: its whole batch is dropped."""
+
+
 def _ext(h: Any) -> int:
+    """A published block hash → the int form the index keys on; BadEvent for anything else."""
     if isinstance(h, (bytes, bytearray)):
+        if not 0 < len(h) <= 64:
+            raise BadEvent(f"block hash of {len(h)} bytes")
         return int.from_bytes(bytes(h)[-8:], "big")
-    return int(h)
+    if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 64:
+        raise BadEvent(f"block hash {h!r:.40} is not a 64-bit unsigned int or a digest")
+    return h
+
+
+def _hashes(raw: Any) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_HASHES_PER_EVENT:
+        raise BadEvent("block_hashes is not a list of at most 65536 hashes")
+    return tuple(_ext(h) for h in raw)
 
 
 _POSITIONS = {"block_hashes": 0, "parent_block_hash": 1, "block_size": 3}
@@ -82,23 +106,29 @@ def decode_event(raw: Any) -> KvEvent | None:
     if tag == "BlockStored":
         parent = get("parent_block_hash")
         size = get("block_size")
-        return BlockStored(
-            tuple(_ext(h) for h in get("block_hashes") or ()),
-            None if parent is None else _ext(parent),
-            size if isinstance(size, int) else None,
-        )
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE):
+            raise BadEvent(f"block_size {size!r:.40}")
+        return BlockStored(_hashes(get("block_hashes")), None if parent is None else _ext(parent), size)
     if tag == "BlockRemoved":
-        return BlockRemoved(tuple(_ext(h) for h in get("block_hashes") or ()))
+        return BlockRemoved(_hashes(get("block_hashes")))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
 
 
 def decode_batch(payload: bytes) -> list[KvEvent]:
-    """One published payload → its events; unknown event types are skipped."""
-    batch = msgspec.msgpack.decode(payload)
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-        raise ValueError("KV event batch is not [ts, events, ...]")
+    """One published payload → its events; unknown event types are skipped.
+
+    Nothing a pod sends is trusted: a payload that is not vLLM's shape, or any event field out of
+    range (a hash that is not a 64-bit int or a digest, a negative block size...), is a
+    ``BadEvent`` for the whole batch, so the index never applies half of one.
+    """
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise BadEvent(f"not msgpack: {exc}") from None
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], (list, tuple)):
+        raise BadEvent("KV event batch is not [ts, events, ...]")
     return [e for e in (decode_event(raw) for raw in batch[1]) if e is not None]
 
 
@@ -121,6 +151,8 @@ def apply(
 
 
 Counted = Callable[[EndpointId, str], None]
+RESTART_BACKOFF = (0.1, 5.0)
+"""A failed subscriber is restarted after 0.1 s, doubling up to 5 s while it keeps failing."""
 
 
 class KvEventSubscriber:
@@ -132,9 +164,12 @@ class KvEventSubscriber:
         on_event: Counted | None = None,
         speculative: SpeculativeIndex | None = None,
         heard: set[EndpointId] | None = None,
+        on_problem: Counted | None = None,
     ) -> None:
         self.index = index
         self.on_event = on_event
+        self.on_problem = on_problem
+        """Hears ``(endpoint, "bad_batch" | "restart")``: the router counts them in a metric."""
         self.speculative = speculative
         self.heard: set[EndpointId] = heard if heard is not None else set()
         """Endpoints that have sent at least one batch."""
@@ -165,6 +200,26 @@ class KvEventSubscriber:
         self._ctx.destroy(linger=0)
 
     async def _run(self, endpoint_id: EndpointId, address: str, replay: str | None) -> None:
+        """Subscribe for as long as the endpoint is in the pool: a subscriber that fails for any
+        reason is logged, counted and started again (its index is kept: the sequence numbers
+        tell whether batches were missed)."""
+        backoff = RESTART_BACKOFF[0]
+        while True:
+            try:
+                await self._subscribe(endpoint_id, address, replay)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - whatever broke, the pod's events must keep flowing
+                log.exception("KV-event subscriber for %s failed; restarting in %.1fs", endpoint_id, backoff)
+                self._problem(endpoint_id, "restart")
+                await asyncio.sleep(backoff)
+                backoff = min(RESTART_BACKOFF[1], backoff * 2)
+
+    def _problem(self, endpoint_id: EndpointId, kind: str) -> None:
+        if self.on_problem is not None:
+            self.on_problem(endpoint_id, kind)
+
+    async def _subscribe(self, endpoint_id: EndpointId, address: str, replay: str | None) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.LINGER, 0)
@@ -206,8 +261,9 @@ class KvEventSubscriber:
             self.last_seq[endpoint_id] = seq
         try:
             events = decode_batch(payload)
-        except (msgspec.DecodeError, ValueError, TypeError, IndexError) as exc:
-            log.warning("undecodable KV event batch from %s: %s", endpoint_id, exc)
+        except (BadEvent, TypeError, IndexError, AttributeError) as exc:
+            throttled.warning(endpoint_id, "dropped a bad KV-event batch from %s: %s", endpoint_id, exc)
+            self._problem(endpoint_id, "bad_batch")
             return
         self.heard.add(endpoint_id)
         apply(self.index, endpoint_id, events, self.speculative)

@@ -1,16 +1,20 @@
 """vLLM ``/metrics`` text → an ``EngineMetrics`` snapshot. Pure: no I/O here.
 
-A vLLM scrape is hundreds of lines (histograms mostly), and the router scrapes every pod 20
-times a second, so lines of metrics nobody reads are dropped before prometheus-client's text
-parser sees them. Names are vLLM v1's (``vllm/v1/metrics/loggers.py``); the older
-``gpu_cache_usage_perc`` / ``gpu_prefix_cache_*`` spellings are accepted too.
+A vLLM scrape is ~50 KB of text, mostly histograms the scheduler never reads, so only the
+sample lines of the families below are parsed (by hand: ~10 lines of the ~1,000). Names are vLLM
+v1's (``vllm/v1/metrics/loggers.py``); the older ``gpu_cache_usage_perc`` / ``gpu_prefix_cache_*``
+spellings are accepted too.
+
+A pod is not trusted to send sane numbers: a sample that is not a finite number in its family's
+range is skipped (``EngineMetrics.rejected`` counts them, the scraper logs it), never turned into
+a score, an exception, or an unbounded label set.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.router.model import EngineMetrics
 
@@ -22,17 +26,48 @@ PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 LORA_INFO = "vllm:lora_requests_info"
 CACHE_CONFIG = "vllm:cache_config_info"
 
-_WANTED = (RUNNING, WAITING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS, LORA_INFO, CACHE_CONFIG)
-_PREFIXES = tuple(_WANTED) + tuple(f"# HELP {n}" for n in _WANTED) + tuple(f"# TYPE {n}" for n in _WANTED)
+_SUMMED = (RUNNING, WAITING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS)
+_WANTED = (*_SUMMED, LORA_INFO, CACHE_CONFIG)
+MAX_COUNT = 1e12
+"""Bigger than any real request or token count: a sample above it is garbage."""
+MAX_LABEL = 4096
+"""Longest label value kept (LoRA adapter lists); longer ones are skipped."""
+MAX_MODELS = 64
+
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = re.compile(r"\\(.)")
 
 
-def relevant_lines(text: str) -> str:
-    """Only the samples and HELP/TYPE lines of the metrics the scheduler reads."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES)) + "\n"
+def _unescape(value: str) -> str:
+    return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
-def _csv(value: str | None) -> frozenset[str]:
-    return frozenset(x for x in (value or "").split(",") if x)
+def _sample(line: str) -> tuple[str, dict[str, str], float] | None:
+    """``name{labels} value [timestamp]`` → its parts; None for anything malformed."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")
+        if close < brace:
+            return None
+        name, body, rest = line[:brace], line[brace + 1 : close], line[close + 1 :]
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(body)}
+    else:
+        name, _, rest = line.partition(" ")
+        labels = {}
+    parts = rest.split()
+    if not parts:
+        return None
+    try:
+        value = float(parts[0])
+    except ValueError:
+        return None
+    return name, labels, value
+
+
+def _family(name: str) -> str | None:
+    """The wanted family a sample belongs to (counters end in ``_total``), else None."""
+    base = name.removesuffix("_total")
+    return base if base in _WANTED else None
 
 
 def parse_metrics(text: str) -> EngineMetrics:
@@ -45,29 +80,38 @@ def parse_metrics(text: str) -> EngineMetrics:
     block_size: int | None = None
     num_blocks: int | None = None
     models: set[str] = set()
-    for family in text_string_to_metric_families(relevant_lines(text)):
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            # By sample, not family: a counter's family loses "_total" only when typed.
-            name = sample.name.removesuffix("_total")
-            if "model_name" in sample.labels:
-                models.add(sample.labels["model_name"])
-            if name == LORA_INFO:
-                if sample.value >= lora_ts:
-                    lora_ts = sample.value
-                    running_loras = _csv(sample.labels.get("running_lora_adapters"))
-                    waiting_loras = _csv(sample.labels.get("waiting_lora_adapters"))
-                    max_loras = int(sample.labels.get("max_lora") or 0)
-            elif name == CACHE_CONFIG:
-                block_size = _int(sample.labels.get("block_size"))
-                num_blocks = _int(sample.labels.get("num_gpu_blocks"))
-            else:
-                sums[name] = sums.get(name, 0.0) + sample.value
+    rejected = 0
+    for line in text.split("\n"):
+        if not line.startswith(_WANTED):
+            continue
+        parsed = _sample(line.rstrip("\r"))
+        family = _family(parsed[0]) if parsed is not None else None
+        if parsed is None or family is None:
+            if parsed is None:
+                rejected += 1
+            continue  # a longer name sharing the prefix (e.g. ..._by_reason), or garbage
+        _, labels, value = parsed
+        if not math.isfinite(value) or value < 0 or value > MAX_COUNT or _too_long(labels.values()):
+            rejected += 1
+            continue
+        model = labels.get("model_name")
+        if model and len(models) < MAX_MODELS:
+            models.add(model)
+        if family == LORA_INFO:
+            if value >= lora_ts:
+                lora_ts = value
+                running_loras = _csv(labels.get("running_lora_adapters"))
+                waiting_loras = _csv(labels.get("waiting_lora_adapters"))
+                max_loras = _int(labels.get("max_lora")) or 0
+        elif family == CACHE_CONFIG:
+            block_size = _int(labels.get("block_size"))
+            num_blocks = _int(labels.get("num_gpu_blocks"))
+        else:
+            sums[family] = sums.get(family, 0.0) + value
     return EngineMetrics(
         running=int(sums.get(RUNNING, 0)),
         waiting=int(sums.get(WAITING, 0)),
-        kv_usage=_first(sums, KV_USAGE),
+        kv_usage=min(1.0, _first(sums, KV_USAGE)),
         prefix_queries=_first(sums, PREFIX_QUERIES),
         prefix_hits=_first(sums, PREFIX_HITS),
         running_loras=running_loras,
@@ -76,7 +120,16 @@ def parse_metrics(text: str) -> EngineMetrics:
         block_size=block_size,
         num_blocks=num_blocks,
         models=frozenset(models),
+        rejected=rejected,
     )
+
+
+def _too_long(values: Iterable[str]) -> bool:
+    return any(len(v) > MAX_LABEL for v in values)
+
+
+def _csv(value: str | None) -> frozenset[str]:
+    return frozenset(x for x in (value or "").split(",") if x)
 
 
 def _first(sums: dict[str, float], names: Iterable[str]) -> float:
@@ -87,7 +140,9 @@ def _first(sums: dict[str, float], names: Iterable[str]) -> float:
 
 
 def _int(value: str | None) -> int | None:
+    """A label that should hold a positive count (``"None"`` where vLLM has none)."""
     try:
-        return int(value) if value not in (None, "", "None") else None
+        number = int(value) if value not in (None, "", "None") else None
     except ValueError:
         return None
+    return number if number is not None and 0 < number <= MAX_COUNT else None

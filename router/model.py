@@ -30,6 +30,10 @@ class SchedulingRequest:
     lora: str | None = None
     cache_salt: str | None = None
     """vLLM's ``cache_salt`` request field: it keys the first block's hash."""
+    mm_hashes: tuple[str, ...] = ()
+    """Digests of the request's images/audio/video (``kvflow.router.request.multimodal_hashes``)."""
+    profile: str | None = None
+    """The scheduling profile the request asked for (an allowed ``x-kvflow-profile``), else the router's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +63,90 @@ class EngineMetrics:
     block_size: int | None = None
     num_blocks: int | None = None
     models: frozenset[str] = frozenset()
+    rejected: int = field(default=0, compare=False)
+    """Samples skipped as out of range or malformed (the pod is not trusted to send sane numbers)."""
+
+
+DEFAULT_PREFILL_RATE = 20_000.0
+"""Prompt tokens per second a pod prefills until its own first tokens tell the router better."""
 
 
 @dataclass(slots=True)
 class LoadCounter:
-    """The router's own, live count of what it sent to one pod (mutable, unlike the rest)."""
+    """The router's own, live accounting of what it sent to one pod (mutable, unlike the rest).
+
+    Exact for this router's requests and current to the request, where scraped metrics are a
+    snapshot of every router's requests up to a few hundred milliseconds old. The ``*_at_scrape``
+    fields remember this router's share when the metrics were taken, so a view can tell its own
+    load from other replicas' (``EndpointView.foreign_*``) and add what changed since.
+
+    The pod's prefill queue is modelled as first-in first-out work (uncached prompt tokens) that
+    drains at the pod's prefill rate, and is cut short by what is known to be done: a request
+    that produced its first token (or finished) proves everything sent before it was prefilled.
+    """
 
     in_flight: int = 0
     """Requests the router sent there that have not finished."""
+    prefilling: int = 0
+    """Of those, requests not yet known to have produced a first token."""
+    tokens: int = 0
+    """Prompt tokens of every request in flight: their KV blocks, as far as the router knows."""
     dispatched: int = 0
     """Requests sent there since the metrics were scraped: load the metrics cannot show yet."""
+    in_flight_at_scrape: int = 0
+    prefilling_at_scrape: int = 0
+    tokens_at_scrape: int = 0
+    backlog: float = 0.0
+    """Prefill work (tokens) queued at time ``backlog_at``, before draining."""
+    backlog_at: float = 0.0
+    sent_work: int = 0
+    """Cumulative uncached prompt tokens sent: each request's position in the pod's queue."""
+    done_work: int = 0
+    """The queue position up to which prefill is known to be done."""
+    sent_requests: int = 0
+    seconds_per_token: float = 0.0
+    """Observed seconds per token of prefill work (EWMA over first tokens); 0: not yet seen."""
+    default_rate: float = DEFAULT_PREFILL_RATE
+
+    @property
+    def rate(self) -> float:
+        """Prefill work the pod gets through per second."""
+        return 1.0 / self.seconds_per_token if self.seconds_per_token > 0 else self.default_rate
+
+    def queued(self, now: float) -> float:
+        """Prefill work still ahead of a request sent at ``now``."""
+        drained = self.backlog - (now - self.backlog_at) * self.rate
+        known = self.sent_work - self.done_work
+        return max(0.0, min(drained, known))
+
+    def enqueue(self, work: int, now: float) -> tuple[float, int]:
+        """A request with ``work`` tokens to prefill joins the queue: (work ahead of it, its position)."""
+        ahead = self.queued(now)
+        self.backlog, self.backlog_at = ahead + work, now
+        self.sent_work += work
+        self.sent_requests += 1
+        return ahead, self.sent_work
+
+    def dequeue(self, work: int, now: float) -> None:
+        """A request sent with ``work`` failed before computing anything: take its work back out."""
+        self.backlog, self.backlog_at = max(0.0, self.queued(now) - work), now
+
+    def prefilled(self, position: int) -> None:
+        """The request at ``position`` has its first token: everything up to it is done."""
+        if position > self.done_work:
+            self.done_work = position
+
+    @property
+    def mean_work(self) -> float:
+        """Mean prefill work of the requests sent here (0 before the first)."""
+        return self.sent_work / self.sent_requests if self.sent_requests else 0.0
+
+    def scraped(self) -> None:
+        """The metrics now include everything sent so far."""
+        self.dispatched = 0
+        self.in_flight_at_scrape = self.in_flight
+        self.prefilling_at_scrape = self.prefilling
+        self.tokens_at_scrape = self.tokens
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -115,13 +193,40 @@ class EndpointView:
         return self.counter.dispatched
 
     @property
+    def foreign_waiting(self) -> int:
+        """Waiting requests that are not this router's (other replicas', or sent around it)."""
+        return max(0, self.metrics.waiting - self.counter.prefilling_at_scrape)
+
+    @property
+    def foreign_running(self) -> int:
+        c = self.counter
+        return max(0, self.metrics.running + self.metrics.waiting - c.in_flight_at_scrape - self.foreign_waiting)
+
+    @property
     def queue(self) -> int:
-        """Waiting requests, including what the router sent since the last scrape."""
-        return self.metrics.waiting + self.counter.dispatched
+        """Requests not yet past their prefill: this router's, live, plus other routers' as last scraped."""
+        return self.counter.prefilling + self.foreign_waiting
 
     @property
     def load(self) -> int:
-        return self.metrics.running + self.queue
+        """Requests on the pod: this router's, live, plus other routers' as last scraped."""
+        return self.counter.in_flight + self.foreign_waiting + self.foreign_running
+
+    @property
+    def decoding(self) -> int:
+        """Requests past their first token (each adds to every step's time)."""
+        c = self.counter
+        return c.in_flight - c.prefilling + self.foreign_running
+
+    @property
+    def kv_usage(self) -> float:
+        """KV-cache use as scraped, moved by the tokens this router sent or finished since."""
+        m, c = self.metrics, self.counter
+        capacity = (m.num_blocks or 0) * (m.block_size or 0)
+        if capacity <= 0 or c.tokens == c.tokens_at_scrape:
+            return m.kv_usage
+        usage = m.kv_usage + (c.tokens - c.tokens_at_scrape) / capacity
+        return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else usage
 
 
 _NO_METRICS = EngineMetrics()

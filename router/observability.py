@@ -6,12 +6,14 @@ serves it on ``--metrics-port`` with ``/metrics`` and ``/debug/decisions?n=N``.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvflow.router.hashcache import RequestHashes
 from kvflow.router.model import SchedulingRequest
 from kvflow.router.pd import Decision
 
@@ -55,6 +57,12 @@ class RouterMetrics:
         self.healthy = Gauge("kvflow_router_endpoint_healthy", "1 if routable", ["pool", "endpoint"], registry=r)
         self.kv_events = Counter(
             "kvflow_router_kv_events", "KV events applied", ["pool", "endpoint", "type"], registry=r
+        )
+        self.kv_event_problems = Counter(
+            "kvflow_router_kv_event_problems",
+            "KV-event batches dropped as malformed (bad_batch) and subscriber restarts (restart)",
+            ["pool", "endpoint", "kind"],
+            registry=r,
         )
         self.index_blocks = Gauge(
             "kvflow_router_prefix_index_blocks", "Distinct blocks in a prefix index", ["pool", "index"], registry=r
@@ -106,32 +114,55 @@ class RouterMetrics:
         self._count(profile, result, seconds)
 
 
+def _digest(values: Any) -> str:
+    """A short fingerprint of a sequence of ints (tokens, block hashes) to compare two routers' views."""
+    return hashlib.sha256(",".join(map(str, values)).encode()).hexdigest()[:16]
+
+
 class DecisionLog:
     """The last N decisions, each with every endpoint's per-scorer scores: 'why that pod?'."""
 
     def __init__(self, size: int = 100) -> None:
         # Raw records; rendering to JSON-able dicts happens only when someone asks.
-        self._entries: deque[tuple[float, SchedulingRequest, Decision | None, float, str | None]] = deque(maxlen=size)
+        self._entries: deque[
+            tuple[float, SchedulingRequest, Decision | None, float, str | None, RequestHashes | None]
+        ] = deque(maxlen=size)
 
     def add(
-        self, request: SchedulingRequest, decision: Decision | None, seconds: float, error: str | None = None
+        self,
+        request: SchedulingRequest,
+        decision: Decision | None,
+        seconds: float,
+        error: str | None = None,
+        hashes: RequestHashes | None = None,
     ) -> None:
-        self._entries.append((time.time(), request, decision, seconds, error))
+        self._entries.append((time.time(), request, decision, seconds, error, hashes))
 
     def last(self, n: int = 10) -> list[dict[str, Any]]:
         return [render(*entry) for entry in list(self._entries)[-n:][::-1]]
 
 
 def render(
-    when: float, request: SchedulingRequest, decision: Decision | None, seconds: float, error: str | None
+    when: float,
+    request: SchedulingRequest,
+    decision: Decision | None,
+    seconds: float,
+    error: str | None,
+    hashes: RequestHashes | None = None,
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "time": when,
         "request_id": request.request_id,
         "model": request.model,
+        "lora": request.lora,
+        "cache_salt": request.cache_salt,
+        "mm_hashes": list(request.mm_hashes),
         "prompt_tokens": len(request.token_ids),
+        "tokens_digest": _digest(request.token_ids),
         "micros": round(seconds * 1e6, 1),
     }
+    if hashes is not None:  # every block hashed now if the decision did not need to: debug only
+        entry["block_hashes_digest"] = _digest(hashes.all())
     if error is not None:
         entry["error"] = error
     if decision is not None:

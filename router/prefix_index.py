@@ -149,6 +149,15 @@ class ApproxPrefixIndex:
         for h in self._lru.pop(endpoint, ()):
             self._drop_holder(h, endpoint)
 
+    def discard(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+        """Forget these blocks on ``endpoint`` (a request sent there failed: it computed nothing)."""
+        lru = self._lru.get(endpoint)
+        if lru is None:
+            return
+        for h in hashes:
+            if lru.pop(h, 0) is None:
+                self._drop_holder(h, endpoint)
+
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         return longest_prefixes(self.holders, chain)
 
@@ -191,6 +200,10 @@ class SpeculativeIndex:
 
     def clear(self, endpoint: EndpointId) -> None:
         self.index.clear(endpoint)
+
+    def discard(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+        """Forget these blocks on ``endpoint`` before they expire (the request sent there failed)."""
+        self.index.remove(endpoint, hashes)
 
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         return self.index.match(chain)

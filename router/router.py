@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from time import monotonic, perf_counter
 from typing import Any
 from zlib import crc32
 
-from kvflow.errors import KvflowError, NoCapacityError, RateLimitError
+from kvflow.errors import InvalidRequestError, KvflowError, RateLimitError
 from kvflow.hashing import block_extra_keys
-from kvflow.router.config import RouterConfig
+from kvflow.router.config import DEFAULT_MAX_PROMPT_TOKENS, RouterConfig
 from kvflow.router.datastore import Datastore
+from kvflow.router.flight import Flight
 from kvflow.router.framework import Cycle, Profile, StartedHook
 from kvflow.router.hashcache import BlockHashCache, RequestHashes
 from kvflow.router.kv_events import KvEventSubscriber
@@ -24,6 +26,7 @@ from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResu
 from kvflow.router.observability import DecisionLog, RouterMetrics
 from kvflow.router.pd import PdPolicy, decide
 from kvflow.router.plugins import PluginContext, build
+from kvflow.router.request import PoolNames
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
 from kvflow.router.scraper import Scraper
 from kvflow.tokenizer import Tokenizer, load_tokenizer, prompt_token_ids
@@ -31,6 +34,33 @@ from kvflow.endpoints import Endpoint, EndpointId
 
 PROFILE_HEADER = "x-kvflow-profile"
 """A request may name another configured profile (benchmarks, A/B tests)."""
+PREHASH_TOKENS = 32_768
+"""Prompts at least this long are hashed off the event loop (``Router.prepare``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    """What a decision leaves for the request's ``Flight``."""
+
+    hashes: RequestHashes | None
+    """The prompt's block hashes, when the decision read them (the indexes learn them)."""
+    matches: Mapping[EndpointId, int] = field(default_factory=dict)
+    """Leading blocks each endpoint was believed to hold."""
+
+
+def _matches(cycle: Cycle) -> Mapping[EndpointId, int]:
+    for kind in ("precise", "approx"):
+        found = cycle.data.get(f"prefix:{kind}")
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    return {}
+
+
+def _served_by(result: SchedulingResult, endpoint: Endpoint) -> SchedulingResult:
+    """``result`` as it turned out: ``endpoint`` served it (hooks learn where requests really went)."""
+    if result.targets and result.targets[0].id == endpoint.id:
+        return result
+    return replace(result, targets=(endpoint, *(t for t in result.targets if t.id != endpoint.id)))
 
 
 def build_profiles(config: RouterConfig, ctx: PluginContext) -> tuple[dict[str, Profile], list[Any]]:
@@ -61,6 +91,7 @@ class Router:
         *,
         profile: str = "default",
         tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(None)
@@ -68,7 +99,7 @@ class Router:
         self.precise = PrefixIndex()
         self.speculative = SpeculativeIndex(config.speculative_ttl)
         self.event_sources: set[EndpointId] = set()
-        ctx = PluginContext(self.approx, self.precise, self.speculative, self.event_sources)
+        ctx = PluginContext(self.approx, self.precise, self.speculative, self.event_sources, config.step_tokens)
         self.profiles, plugins = build_profiles(config, ctx)
         if profile not in self.profiles:
             raise ValueError(f"unknown profile {profile!r} (profiles: {', '.join(sorted(self.profiles))})")
@@ -76,12 +107,17 @@ class Router:
         self._hooks = [p for p in plugins if isinstance(p, StartedHook)]
         self.policy = PdPolicy(config.pd_enabled, config.pd_threshold)
         self.hash_cache = BlockHashCache(config.block_size, seed=config.hash_seed, algo=config.hash_algo)
-        self.datastore = Datastore(endpoints or config.endpoints)
+        self.datastore = Datastore(endpoints or config.endpoints, prefill_rate=config.prefill_rate)
         self.metrics = RouterMetrics(config.pool_name)
         self.log = DecisionLog()
         # Hashes computed while scheduling, reused when the request starts (approx index update);
         # None for a decision that did not read prefixes (nothing to learn).
-        self._pending: OrderedDict[str, RequestHashes | None] = OrderedDict()
+        self._pending: OrderedDict[str, _Decided] = OrderedDict()
+        self._flights: dict[str, Flight] = {}
+        """Requests begun with ``request_started`` (no attempts), until ``request_finished``."""
+        self._clock = clock
+        self.max_prompt_tokens: int = config.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
+        """Longest prompt accepted (a 400 beyond): the config's, else the pods' context length once known."""
         self._scraper: Scraper | None = None
         self._kv: KvEventSubscriber | None = None
         self._watcher: Any = None
@@ -97,8 +133,10 @@ class Router:
         self._scraper = Scraper(
             self.datastore,
             interval=self.config.scrape_interval,
-            stale_after=self.config.stale_after,
+            idle_interval=self.config.scrape_idle_interval,
+            timeout=self.config.stale_after,
             on_metrics=self._on_metrics,
+            seed=self.config.seed,
         )
         await self._scraper.start()
         if self.config.kubernetes is not None and not self._static:
@@ -107,7 +145,9 @@ class Router:
             self._watcher = PodWatcher(self.config.kubernetes, self.set_endpoints)
             await self._watcher.start()
         if self.config.kv_events_enabled:
-            self._kv = KvEventSubscriber(self.precise, self._on_kv_event, self.speculative, self.event_sources)
+            self._kv = KvEventSubscriber(
+                self.precise, self._on_kv_event, self.speculative, self.event_sources, self._on_kv_problem
+            )
             for ep in self.datastore.endpoints:
                 self._kv.add(ep, self.config.kv_events_address(ep), self.config.kv_replay_endpoints.get(ep.id))
 
@@ -132,20 +172,38 @@ class Router:
     def endpoints(self) -> Sequence[Endpoint]:
         return self.datastore.endpoints
 
+    @property
+    def names(self) -> PoolNames:
+        """The model and LoRA adapters this pool serves, as ``scheduling_request`` resolves them."""
+        return PoolNames(self.config.model or "", self.config.loras)
+
     # -- the data path ---------------------------------------------------------------------
 
     def tokenize(self, body: Mapping[str, Any]) -> list[int]:
         return prompt_token_ids(self.tokenizer, body)
 
+    async def prepare(self, request: SchedulingRequest) -> None:
+        """Hash a long prompt in a worker thread, so ``schedule`` finds its hashes memoised and
+        the event loop is never held for long by one request (the thread yields the GIL to it)."""
+        if len(request.token_ids) < PREHASH_TOKENS:
+            return
+        name = request.profile or request.headers.get(PROFILE_HEADER) or self.profile
+        profile = self.profiles.get(name)
+        if profile is not None and (profile.reads_prefixes or self.policy.enabled):
+            await asyncio.to_thread(self._hashes(request).all)
+
     def schedule(self, request: SchedulingRequest) -> SchedulingResult:
         started = perf_counter()
-        name = request.headers.get(PROFILE_HEADER) or self.profile
+        name = request.profile or request.headers.get(PROFILE_HEADER) or self.profile
         profile = self.profiles.get(name)
         if profile is None:
-            raise NoCapacityError(f"unknown scheduling profile {name!r}")
+            raise InvalidRequestError(
+                f"unknown scheduling profile {name!r} (profiles: {', '.join(sorted(self.profiles))})",
+                param=PROFILE_HEADER,
+            )
         prefill_profile = self.profiles.get(self.config.pd_prefill_profile or name, profile)
         cycle = self._cycle(request)
-        self.speculative.expire(monotonic())
+        self.speculative.expire(self._clock())
         decoders, prefillers = self.datastore.by_role()
         try:
             decision = decide(
@@ -155,46 +213,72 @@ class Router:
             seconds = perf_counter() - started
             kind = "shed" if isinstance(exc, RateLimitError) else "no_capacity"
             self.metrics.failed(name, kind, seconds)
-            self.log.add(request, None, seconds, error=f"{kind}: {exc.message}")
+            self.log.add(request, None, seconds, error=f"{kind}: {exc.message}", hashes=cycle.hashes)
             raise
         # Only a decision that read the prompt's prefix teaches the indexes where it went.
-        self._pending[request.request_id] = cycle.hashes if decision.reads_prefixes else None
+        self._pending[request.request_id] = _Decided(
+            cycle.hashes if decision.reads_prefixes else None, _matches(cycle)
+        )
         if len(self._pending) > 4096:
             self._pending.popitem(last=False)
         seconds = perf_counter() - started
         self.metrics.decided(decision, seconds, len(request.token_ids))
-        self.log.add(request, decision, seconds)
+        self.log.add(request, decision, seconds, hashes=cycle.hashes)
         return decision.result
 
     def explain(self, n: int = 10) -> list[dict[str, Any]]:
         return self.log.last(n)
 
-    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        if request.request_id in self._pending:
-            hashes = self._pending.pop(request.request_id)
-        else:  # not scheduled here, or forgotten: learn if schedule would have
+    def flight(self, request: SchedulingRequest, result: SchedulingResult) -> Flight:
+        """The accounting of a scheduled request: tell it each attempt (see ``kvflow.router.flight``)."""
+        decided = self._pending.pop(request.request_id, None)
+        if decided is None:  # not scheduled here, or forgotten: learn if schedule would have
             profile = self.profiles.get(result.profile)
             may_split = self.policy.enabled and bool(self.datastore.by_role()[1])
-            hashes = self._hashes(request) if profile is None or profile.reads_prefixes or may_split else None
-        sent = result.targets[:1] + ((result.prefill,) if result.prefill is not None else ())
-        for ep in sent:
-            self.datastore.started(ep.id)
-        if hashes is not None:
-            blocks = hashes.all()
-            now = monotonic()
-            for ep in sent:
-                self.approx.add(ep.id, blocks)
-                self.speculative.add(ep.id, blocks, now)
-        for hook in self._hooks:
-            hook.request_started(request, result)
+            reads = profile is None or profile.reads_prefixes or may_split
+            decided = _Decided(self._hashes(request) if reads else None, {})
+        hashes = decided.hashes
+        blocks = hashes.all if hashes is not None else None
+        learned: list[int] | None = None
+
+        def learn(endpoint: Endpoint, prefill: bool) -> None:
+            nonlocal learned
+            if blocks is not None:
+                learned = learned if learned is not None else blocks()
+                self.approx.add(endpoint.id, learned)
+                self.speculative.add(endpoint.id, learned, self._clock())
+            if not prefill:
+                for hook in self._hooks:
+                    hook.request_started(request, _served_by(result, endpoint))
+
+        def forget(endpoint: Endpoint, prefill: bool) -> None:
+            if learned is not None:
+                self.approx.discard(endpoint.id, learned)
+                self.speculative.discard(endpoint.id, learned)
+
+        return Flight(
+            request, result, counter=self.datastore.counter, cached_blocks=decided.matches,
+            block_size=self.config.block_size, learn=learn, forget=forget, clock=self._clock,
+            step_tokens=self.config.step_tokens,
+        )
+
+    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        """Shorthand for a request sent to its pick (and prefill pod) with no attempt to follow:
+        ``flight`` + ``send``; ``request_finished`` ends it. Callers that retry use ``flight``."""
+        flight = self.flight(request, result)
+        if result.prefill is not None:
+            flight.send_prefill(result.prefill)
+        flight.send(result.targets[0], remote=result.prefill is not None)
+        self._flights[request.request_id] = flight
+        if len(self._flights) > 65536:  # a caller that never finishes must not grow this forever
+            self._flights.pop(next(iter(self._flights))).finish()
 
     def request_finished(self, request: SchedulingRequest, result: SchedulingResult, *, ok: bool) -> None:
-        """End the request's in-flight accounting. ``ok`` is informational: a failed pod is taken
-        out by ``mark_failed`` or its next failed scrape, not by one failed request."""
-        for ep in result.targets[:1]:
-            self.datastore.finished(ep.id)
-        if result.prefill is not None:
-            self.datastore.finished(result.prefill.id)
+        flight = self._flights.pop(request.request_id, None)
+        if flight is not None:
+            flight.prefill_done(ok=ok)
+            flight.first_token(observe=False)
+            flight.finish()
 
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.datastore.mark_failed(endpoint.id)
@@ -204,18 +288,21 @@ class Router:
     def _hashes(self, request: SchedulingRequest) -> RequestHashes:
         """The request's block hashes, lazily: nothing is hashed until a plugin walks them."""
         lora = request.lora
-        if lora is None and not request.cache_salt:
+        if lora is None and not request.cache_salt and not request.mm_hashes:
             return self.hash_cache.for_request(request.token_ids)
         # vLLM keys LoRA blocks on the adapter's name *and* path (docs/vllm-protocols.md).
         adapter = (lora, self.config.lora_paths.get(lora, lora)) if lora else None
         every = block_extra_keys(1, lora=adapter)
         first = block_extra_keys(0, lora=adapter, cache_salt=request.cache_salt)
+        if request.mm_hashes:  # not vLLM's keys (it hashes processed items): only tells prompts apart
+            media = tuple(("mm", h) for h in request.mm_hashes)
+            every, first = (*(every or ()), *media), (*(first or ()), *media)
         return self.hash_cache.for_request(request.token_ids, every, first)
 
     def _cycle(self, request: SchedulingRequest) -> Cycle:
         # The tie-break generator is seeded only if a picker draws from it (Cycle.rng).
         seed = crc32(request.request_id.encode()) ^ self.config.seed
-        return Cycle(request, self._hashes(request), seed, self.config.block_size)
+        return Cycle(request, self._hashes(request), seed, self.config.block_size, self._clock())
 
     def _on_metrics(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         if metrics.num_blocks:
@@ -223,6 +310,9 @@ class Router:
 
     def _on_kv_event(self, endpoint_id: str, kind: str) -> None:
         self.metrics.kv_events.labels(self.config.pool_name, endpoint_id, kind).inc()
+
+    def _on_kv_problem(self, endpoint_id: str, kind: str) -> None:
+        self.metrics.kv_event_problems.labels(self.config.pool_name, endpoint_id, kind).inc()
 
     def _on_endpoint_change(self, endpoint: Endpoint, added: bool) -> None:
         if added:

@@ -1,25 +1,44 @@
-"""Scrape every endpoint's ``/metrics`` about every 50 ms into the datastore.
+"""Scrape each endpoint's ``/metrics`` now and then, into the datastore.
 
-One task per endpoint, so a slow pod delays only itself; a failed or non-200 scrape takes the
-endpoint out of scheduling until the next good one, and the expiry check drops pods that stop
-answering without failing (hung connections).
+The router's own accounting (``kvflow.router.flight``) is exact and current for what it sends,
+so scrapes only correct it: for other routers' traffic, for what the engine knows better (its
+KV-cache use, its real queue), and for health. That makes them rare and cheap:
+
+* **adaptive**: every ``interval`` seconds while the router has requests on the pod or the pod
+  reports load, every ``idle_interval`` seconds when it is idle, and ``retry_interval`` after a
+  failure (a pod coming back is in rotation within that long of answering);
+* **spread**: each pod's scrapes start at a random phase and every wait is jittered by
+  ±``JITTER``, so pods are never scraped in lock-step (a synchronised scrape is a synchronised
+  stall on every pod);
+* **judged by their own outcome**: a pod drops out when a scrape fails or does not answer within
+  ``timeout``, never because the router's own loop was too busy to scrape it.
+
+One task per endpoint, so a slow pod delays only itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import random
 import time
 from collections.abc import Callable
 
 import aiohttp
 
+from kvflow.endpoints import Endpoint, EndpointId
+from kvflow.throttle import ThrottledLog
 from kvflow.router.datastore import Datastore
 from kvflow.router.metrics_scrape import parse_metrics
 from kvflow.router.model import EngineMetrics
-from kvflow.endpoints import Endpoint, EndpointId
+
+log = logging.getLogger(__name__)
+throttled = ThrottledLog(log)
 
 OnMetrics = Callable[[Endpoint, EngineMetrics], None]
+JITTER = 0.1
+"""Each wait is the interval times a uniform draw in [1 - JITTER, 1 + JITTER]."""
 
 
 class Scraper:
@@ -27,24 +46,30 @@ class Scraper:
         self,
         datastore: Datastore,
         *,
-        interval: float = 0.05,
-        stale_after: float = 1.0,
+        interval: float = 0.5,
+        idle_interval: float = 2.0,
+        retry_interval: float = 0.25,
+        timeout: float = 1.0,
         on_metrics: OnMetrics | None = None,
+        seed: int | None = None,
     ) -> None:
         self.datastore = datastore
         self.interval = interval
-        self.stale_after = stale_after
+        self.idle_interval = max(interval, idle_interval)
+        self.retry_interval = min(interval, retry_interval)
+        self.timeout = timeout
         self.on_metrics = on_metrics
+        self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[EndpointId, asyncio.Task[None]] = {}
-        self._expiry: asyncio.Task[None] | None = None
+        self.scrapes = 0
+        """Scrapes sent, all endpoints (the benchmark reports the rate)."""
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.stale_after)
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         for ep in self.datastore.endpoints:
             self.add(ep)
-        self._expiry = asyncio.create_task(self._expire_loop(), name="metrics-expiry")
 
     def add(self, endpoint: Endpoint) -> None:
         if self._session is not None and endpoint.id not in self._tasks:
@@ -60,32 +85,40 @@ class Scraper:
     async def stop(self) -> None:
         for eid in list(self._tasks):
             await self.remove(eid)
-        if self._expiry is not None:
-            self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     async def scrape_once(self, endpoint: Endpoint) -> EngineMetrics | None:
+        """The pod's metrics, or None when it failed, timed out or sent something unreadable."""
         assert self._session is not None
+        self.scrapes += 1
         try:
             async with self._session.get(f"{endpoint.url}/metrics") as resp:
                 if resp.status != 200:
                     return None
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
             return None
-        try:
-            return parse_metrics(text)
-        except ValueError:
-            return None
+        metrics = parse_metrics(text)
+        if metrics.rejected:
+            throttled.warning(endpoint.id, "skipped %d malformed or out-of-range metric samples from %s",
+                              metrics.rejected, endpoint.id)
+        return metrics
+
+    def next_wait(self, endpoint: Endpoint, ok: bool) -> float:
+        """Seconds until the pod's next scrape: sooner when it failed or is busy."""
+        if not ok:
+            base = self.retry_interval
+        else:
+            view = self.datastore.view(endpoint.id)
+            busy = view is not None and (view.in_flight or view.metrics.running or view.metrics.waiting)
+            base = self.interval if busy else self.idle_interval
+        return base * self._rng.uniform(1 - JITTER, 1 + JITTER)
 
     async def _loop(self, endpoint: Endpoint) -> None:
-        loop = asyncio.get_running_loop()
+        await asyncio.sleep(self._rng.uniform(0, self.interval))  # a random phase per pod
         while True:
-            started = loop.time()
             metrics = await self.scrape_once(endpoint)
             if metrics is None:
                 self.datastore.record_failure(endpoint.id)
@@ -93,9 +126,4 @@ class Scraper:
                 self.datastore.record_scrape(endpoint.id, metrics, time.monotonic())
                 if self.on_metrics is not None:
                     self.on_metrics(endpoint, metrics)
-            await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
-
-    async def _expire_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.stale_after / 2)
-            self.datastore.expire(time.monotonic(), self.stale_after)
+            await asyncio.sleep(self.next_wait(endpoint, metrics is not None))

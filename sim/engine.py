@@ -1,12 +1,29 @@
-"""The engine loop: runs the pure ``Scheduler`` in real time on the event loop.
+"""The engine: the pure ``Scheduler`` stepped on a computed timeline, delivered on the event loop.
 
-One iteration = one engine step: plan, sleep the profile's step time (measured from the step's
-start, so Python overhead is absorbed rather than added), apply, publish the step's KV events
-as one batch, wake the requests that produced tokens. When there is nothing to run the loop
-awaits an ``asyncio.Event`` — an idle simulator uses no CPU.
+vLLM v1's engine core runs apart from its API server: a slow front end (a /metrics render, a
+burst of requests being parsed, KV events being published) delays the delivery of tokens, never
+the GPU's steps. The simulator keeps that separation in time rather than in a second process
+(docs/simulator.md, "Timeline", says why):
+
+* A step starts when the previous one ends in simulated time or, when the engine was idle or
+  blocked, when the work that woke it arrived; it lasts the profile's modelled time. Its tokens
+  carry the step's end as their time (``first_token_at``, TTFT/ITL/e2e in the metrics) however
+  late the event loop gets round to delivering them, and are never delivered before it.
+* Outside events (a new request, a finished KV pull, blocks released by a transfer, an abort)
+  are stamped with the clock when they happen and take effect at the first step boundary at or
+  after their stamp, so a step planned late, while the engine catches up after a stall, sees
+  only what had arrived by its simulated start.
+* ``poll()`` advances the timeline to the clock's now by at most one step; the driver (``_run``)
+  sleeps until the in-flight step's end and polls again. After a stall it wakes late and replays
+  the missed steps back to back, one per loop turn, at their simulated times.
+* A process further behind than ``max_lag_s`` is overloaded rather than stalled (its own work
+  per step exceeds the modelled step): simulated time then slips forward to now, and the slip is
+  counted (``slipped_seconds``, ``kvflow_sim:engine_slip_seconds_total``). The default allows 8
+  of the profile's minimal steps, at most 50 ms; the ``instant`` profile, whose steps take no
+  time, runs at the wall clock.
 
 The engine is also the ``KVHost`` a ``KVTransfer`` attaches to: pinned blocks of exported
-prefill requests, and the tokens each block holds.
+prefill requests, and the tokens each block holds. Transfers are real I/O and take wall time.
 """
 
 from __future__ import annotations
@@ -14,19 +31,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from kvflow.sim.clock import Clock, MonotonicClock
 from kvflow.sim.events import ZmqPublisher
 from kvflow.sim.faults import Faults
 from kvflow.sim.kv_transfer import KVTransfer
 from kvflow.sim.metrics import EngineGauges, SimMetrics
 from kvflow.sim.profiles import Profile
 from kvflow.sim.request import SimRequest, Status
-from kvflow.sim.scheduler import Scheduler
+from kvflow.sim.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
+
+
+MAX_LAG_S = 0.05
+LAG_STEPS = 8
+
+
+def default_max_lag(profile: Profile) -> float:
+    """How far behind the clock the engine may replay its timeline before time slips."""
+    return min(MAX_LAG_S, LAG_STEPS * profile.step_base_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    plan: StepPlan
+    start: float
+    end: float
+
+
+Apply = Callable[[float], None]
+"""An outside event's effect on the scheduler, given the event's stamp."""
 
 
 class Engine:
@@ -40,6 +79,8 @@ class Engine:
         publisher: ZmqPublisher | None = None,
         faults: Faults | None = None,
         bytes_per_block: int = 4096,
+        clock: Clock | None = None,
+        max_lag_s: float | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.profile = profile
@@ -47,14 +88,24 @@ class Engine:
         self.metrics = metrics
         self.publisher = publisher
         self.faults = faults or Faults()
+        self.clock: Clock = clock or MonotonicClock()
+        self.max_lag_s = default_max_lag(profile) if max_lag_s is None else max_lag_s
         self.block_size = scheduler.config.block_size
         self.num_blocks = scheduler.config.num_blocks
         self.bytes_per_block = bytes_per_block
+        self._now = self.clock.now()
+        self._inflight: Step | None = None
+        self._parked = True  # idle, or blocked until an outside event: time jumps to the next one
+        self._inbox: deque[tuple[float, Apply]] = deque()  # stamps in clock order
+        self._aborted: set[str] = set()  # aborted by the client; the abort takes effect at the next boundary
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pulls: set[asyncio.Task[None]] = set()
         self._scaled: tuple[float, Profile] = (1.0, profile)
         self.steps = 0
+        self.busy_seconds = 0.0
+        """Simulated time spent in steps."""
+        self.slipped_seconds = 0.0
         transfer.attach(self)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -78,23 +129,27 @@ class Engine:
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    # -- requests --------------------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        """Simulated time: the end of the last step, or when the engine last woke from idle."""
+        return self._now
+
+    # -- outside events --------------------------------------------------------------------
     def submit(self, req: SimRequest) -> None:
-        self.scheduler.add(req)
+        """Queue ``req``; its arrival is now on the engine's clock."""
+        req.arrival = self.clock.now()
         if self.scheduler.config.kv_transfer and req.wants_remote_prefill:
             # from now until its pull ends, keep the prefill pod's blocks alive (vLLM 0.32's
             # heartbeats): the request may wait for free blocks longer than their lease
             self.transfer.track(req.request_id, req.kv_transfer_params or {})
-        self._wake.set()
+        self._post(req.arrival, lambda _: self.scheduler.add(req))
 
     def abort(self, request_id: str) -> None:
+        """The client went away. Like vLLM's output processor, stop counting and delivering its
+        tokens now; the scheduler drops it (and frees its blocks) at the next step boundary."""
         self.transfer.untrack(request_id)
-        req = self.scheduler.abort(request_id, time.monotonic())
-        if req is not None:
-            self._flush_events()
-            if self.metrics is not None:
-                self.metrics.on_finished(req)
-            self._wake.set()
+        self._aborted.add(request_id)
+        self._post(self.clock.now(), lambda at: self._drop(request_id, at))
 
     def reset_prefix_cache(self) -> bool:
         ok = self.scheduler.pool.reset()
@@ -119,12 +174,21 @@ class Engine:
             preemptions=lambda: sched.num_preemptions,
             lora_running=lambda: loras(sched.running),
             lora_waiting=lambda: loras([*sched.waiting, *sched.remote_waiting.values()]),
+            slipped_seconds=lambda: self.slipped_seconds,
         )
+
+    def _post(self, at: float, apply: Apply) -> None:
+        self._inbox.append((at, apply))
+        self._wake.set()
+
+    def _drop(self, request_id: str, at: float) -> None:
+        self._aborted.discard(request_id)
+        if self.scheduler.abort(request_id, at) is not None:
+            self._flush_events()
 
     # -- KVHost ----------------------------------------------------------------------------
     def unpin(self, request_id: str) -> None:
-        if self.scheduler.unpin(request_id):
-            self._wake.set()
+        self._post(self.clock.now(), lambda _: self.scheduler.unpin(request_id))
 
     def block_token_ids(self, block_id: int) -> tuple[int, ...]:
         return self.scheduler.pool.blocks[block_id].token_ids
@@ -136,61 +200,99 @@ class Engine:
         self.transfer.release(request_id)
         return True
 
-    # -- the loop --------------------------------------------------------------------------
+    # -- the timeline ----------------------------------------------------------------------
+    def poll(self) -> float | None:
+        """Advance the timeline to the clock's now by at most one step. Returns when to poll
+        again (the in-flight step's end), or None when idle or blocked until an outside event."""
+        wall = self.clock.now()
+        step = self._inflight
+        if step is not None:
+            if step.end > wall + self.clock.resolution:
+                return step.end
+            self._inflight = None
+            self._complete(step)
+        self._plan(wall)
+        return None if self._inflight is None else self._inflight.end
+
+    def _plan(self, wall: float) -> None:
+        sched = self.scheduler
+        while True:
+            if self._parked:
+                if not self._inbox:
+                    return
+                self._now = max(self._now, self._inbox[0][0])  # time jumps to the event that wakes it
+                self._parked = False
+            lag = wall - self._now
+            if lag > self.max_lag_s:
+                if self.max_lag_s > 0:  # a zero-time profile keeps no timeline, so it never slips
+                    self.slipped_seconds += lag
+                self._now = wall
+            while self._inbox and self._inbox[0][0] <= self._now:
+                at, apply = self._inbox.popleft()
+                apply(at)
+            plan = sched.schedule(self._now) if sched.has_work() else None
+            for req in plan.pulls if plan is not None else ():
+                self._start_pull(req)
+            if plan is None or plan.empty:
+                self._flush_events()
+                self._parked = True
+                continue
+            seconds = self._current_profile().step_seconds(
+                plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens)
+            self._inflight = Step(plan, self._now, self._now + seconds)
+            return
+
+    def _complete(self, step: Step) -> None:
+        self._now = step.end
+        produced = self.scheduler.complete(step.plan, step.end)
+        self.steps += 1
+        self.busy_seconds += step.end - step.start
+        self._flush_events()
+        self._after_step(step.plan.num_decoding + step.plan.prefill_tokens, produced, step.end)
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            deadline = self.poll()
+            if deadline is None:
+                await self._wake.wait()
+            else:
+                await self.clock.sleep_until(deadline)
+
     def _current_profile(self) -> Profile:
         factor = self.faults.slow_factor
         if factor != self._scaled[0]:
             self._scaled = (factor, self.profile.scaled(factor))
         return self._scaled[1]
 
-    async def _run(self) -> None:
-        clock = time.monotonic  # uvloop's loop.time() ticks in whole milliseconds
-        sched = self.scheduler
-        while True:
-            if not sched.has_work():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            start = clock()
-            plan = sched.schedule(start)
-            for req in plan.pulls:
-                self._start_pull(req)
-            if plan.empty:
-                self._flush_events()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            profile = self._current_profile()
-            step = profile.step_seconds(plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens)
-            await asyncio.sleep(max(0.0, start + step - clock()))
-            now = clock()
-            produced = sched.complete(plan, now)
-            self.steps += 1
-            self._flush_events()
-            self._after_step(plan.num_decoding + plan.prefill_tokens, produced, now)
-
     def _after_step(self, num_tokens: int, produced: list[SimRequest], now: float) -> None:
         metrics = self.metrics
         last_tokens: dict[float, int] = {}  # previous token time -> requests (one gap each)
+        delivered = 0
         for req in produced:
+            aborted = req.request_id in self._aborted
             if len(req.output_ids) == 1:
-                if metrics is not None:
+                if metrics is not None and not aborted:
                     metrics.on_first_token(req)
-            elif req.last_token_at is not None:
+            elif req.last_token_at is not None and not aborted:
                 last_tokens[req.last_token_at] = last_tokens.get(req.last_token_at, 0) + 1
             req.last_token_at = now
             if req.status is Status.FINISHED:
-                self._on_finished(req)
+                self._on_finished(req, counted=not aborted)
+            if aborted:
+                continue
+            delivered += 1
             if req.notify is not None:
                 req.notify()
         if metrics is not None:
-            metrics.on_step(num_tokens, len(produced))
+            metrics.on_step(num_tokens, delivered)
             metrics.on_token_gaps({now - t: n for t, n in last_tokens.items()})
 
-    def _on_finished(self, req: SimRequest) -> None:
+    def _on_finished(self, req: SimRequest, *, counted: bool) -> None:
         if req.request_id in self.scheduler.pinned:
+            # exported even when aborted: the transfer's lease then frees the blocks
             req.kv_transfer_out = self._export(req)
-        if self.metrics is not None:
+        if self.metrics is not None and counted:
             self.metrics.on_finished(req)
 
     def _export(self, req: SimRequest) -> dict[str, Any]:
@@ -237,8 +339,7 @@ class Engine:
         req.pull_seconds = seconds
         if not ok and self.metrics is not None:
             self.metrics.pd_fallbacks.inc()
-        self.scheduler.remote_done(req, ok, time.monotonic())
-        self._wake.set()
+        self._post(self.clock.now(), lambda at: self.scheduler.remote_done(req, ok, at))
 
     def _flush_events(self) -> None:
         events = self.scheduler.pool.take_events()

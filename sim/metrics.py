@@ -1,23 +1,38 @@
 """``/metrics`` with vLLM's metric names, labels, help texts and histogram buckets.
 
+The exposition is what real vLLM 0.32's API server writes (tests/golden/vllm_metrics.txt), in
+its order: prometheus_client's ``python_gc_*``, ``python_info`` and ``process_*`` families (of
+this process), the engine's ``vllm:*`` families, then prometheus-fastapi-instrumentator's
+``http_request*`` families (``kvflow.sim.http_metrics``).
+
 Every engine metric carries ``model_name`` (the first served model name) and ``engine`` ("0"),
-as vLLM's ``PrometheusStatLogger`` writes them (checked against tests/golden/vllm_metrics.txt).
-Counters are declared without ``_total``; the Prometheus client appends it, as it does for vLLM.
-Scheduler state (running, waiting, KV usage, prefix-cache totals) is read at scrape time.
+as vLLM's ``PrometheusStatLogger`` writes them. Counters are declared without ``_total``; the
+exposition appends it, as prometheus_client does for vLLM. Scheduler state (running, waiting,
+KV usage, prefix-cache totals) is read at scrape time; reading it changes nothing in the engine.
 ``vllm:lora_requests_info`` exists only with LoRA enabled: a gauge set to the scrape time, with
 the running/waiting adapter names as labels (one series per label combination, as vLLM does).
+
+What vLLM counts when: prompt tokens, TTFT and inter-token gaps as tokens are produced; the
+per-request families (``request_success``, e2e, queue/prefill/decode/inference times, token
+histograms) when a request finishes in the engine. A request the client aborted is dropped by
+vLLM's output processor (``OutputProcessor.abort_requests`` records no finished stats), so it
+counts in none of the per-request families; here the engine does not call ``on_finished`` for it.
+
+The ``vllm:*`` and ``http_*`` families live in ``kvflow.sim.exposition`` (cheap to update,
+sub-millisecond to render); the runtime families come from prometheus_client's own collectors.
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvflow.sim.exposition import Counter, CounterChild, Gauge, Histogram, HistogramChild, Registry
+from kvflow.sim.http_metrics import HttpMetrics
 from kvflow.sim.request import SimRequest
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -49,14 +64,6 @@ _HELP = {
     "(offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at "
     "admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
 }
-
-
-def observe_many(hist: Histogram, amount: float, n: int) -> None:
-    """``n`` observations of one value in one go: every request decoding in the same two steps has
-    the same inter-token gap, and a big batch would otherwise cost one observe per request.
-    prometheus_client has no bulk observe, so this updates the child's sum and bucket directly."""
-    hist._sum.inc(amount * n)
-    hist._buckets[bisect_left(hist._upper_bounds, amount)].inc(n)
 
 
 def buckets_1_2_5(max_value: int) -> list[float]:
@@ -107,43 +114,55 @@ class EngineGauges:
     preemptions: Callable[[], int]
     lora_running: Callable[[], Iterable[str]]
     lora_waiting: Callable[[], Iterable[str]]
+    slipped_seconds: Callable[[], float]
+
+
+def runtime_registry() -> CollectorRegistry:
+    """prometheus_client's process/python collectors, in the order vLLM's registry lists them."""
+    registry = CollectorRegistry(auto_describe=False)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    ProcessCollector(registry=registry)
+    return registry
 
 
 class SimMetrics:
     def __init__(self, model_name: str, *, max_model_len: int, cache_info: dict[str, str],
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, runtime: bool = True) -> None:
         self.model_name = model_name
-        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.registry = r = Registry()
+        self.runtime = runtime_registry() if runtime else None
         names = ["model_name", "engine"]
-        values = self._labels = [model_name, "0"]
+        values = [model_name, "0"]
         self._max_loras = max_loras
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=r).labels(*values)  # type: ignore[return-value]
+        def counter(name: str, doc: str) -> CounterChild:
+            return Counter(name, doc, names, registry=r).labels(*values)
 
-        def counters_by(name: str, doc: str, label: str, keys: Iterable[str]) -> dict[str, Counter]:
+        def counters_by(name: str, doc: str, label: str, keys: Iterable[str]) -> dict[str, CounterChild]:
             family = Counter(name, doc, [*names, label], registry=r)
-            return {k: family.labels(*values, k) for k in keys}  # type: ignore[misc]
+            return {k: family.labels(*values, k) for k in keys}
 
-        def hist(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-            family = Histogram(name, doc, names, buckets=tuple(buckets), registry=r)
-            return family.labels(*values)  # type: ignore[return-value]
+        def hist(name: str, doc: str, buckets: Iterable[float]) -> HistogramChild:
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*values)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r)
 
         for what in ("flops", "read_bytes", "write_bytes"):
             verb = {"flops": "floating point operations", "read_bytes": "bytes read from memory",
                     "write_bytes": "bytes written to memory"}[what]
             counter(f"vllm:estimated_{what}_per_gpu",
                     f"Estimated number of {verb} per GPU (for Model Flops Utilization calculations).")
-        self.g_running = Gauge("vllm:num_requests_running", _HELP["running"], names, registry=r).labels(*values)
-        self.g_waiting = Gauge("vllm:num_requests_waiting", _HELP["waiting"], names, registry=r).labels(*values)
+        self.g_running = gauge("vllm:num_requests_running", _HELP["running"]).labels(*values)
+        self.g_waiting = gauge("vllm:num_requests_waiting", _HELP["waiting"]).labels(*values)
         by_reason = Gauge("vllm:num_requests_waiting_by_reason", _HELP["waiting_by_reason"], [*names, "reason"],
                           registry=r)
         self.g_capacity, self.g_deferred = by_reason.labels(*values, "capacity"), by_reason.labels(*values, "deferred")
         sleep = Gauge("vllm:engine_sleep_state", _HELP["sleep"], [*names, "sleep_state"], registry=r)
         for state in SLEEP_STATES:
             sleep.labels(*values, state).set(1 if state == "awake" else 0)
-        self.g_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", names,
-                             registry=r).labels(*values)
+        self.g_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(*values)
         self.c_prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.c_prefix_hits = counter(
@@ -205,47 +224,57 @@ class SimMetrics:
                                        tokens)
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      sorted([*cache_info, "engine"]), registry=r)
-        info.labels(**cache_info, engine="0").set(1)
+        info_labels = {**cache_info, "engine": "0"}
+        info.labels(*(info_labels[k] for k in info.labelnames)).set(1)
         self.g_lora: Gauge | None = None
         if max_loras is not None:
             self.g_lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                                 ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self.pd_fallbacks = counter("kvflow_sim:kv_pull_failures", "P/D decode requests whose KV pull failed and "
                                     "fell back to local prefill (simulator only).")
+        self.engine_slip = counter("kvflow_sim:engine_slip_seconds", "Simulated time the engine skipped because "
+                                   "the process fell too far behind its timeline (simulator only; 0 when every "
+                                   "step ran on its modelled schedule).")
+        self.http = HttpMetrics(r)
         self._gauges: EngineGauges | None = None
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "ext_queries": 0, "ext_hits": 0}
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "ext_queries": 0, "ext_hits": 0, "slip": 0.0}
 
     def bind(self, gauges: EngineGauges) -> None:
         self._gauges = gauges
+        waiting = gauges.waiting
+        self.g_running.set_function(gauges.running)
+        self.g_waiting.set_function(waiting)
+        self.g_capacity.set_function(lambda: waiting() - gauges.deferred())
+        self.g_deferred.set_function(gauges.deferred)
+        self.g_usage.set_function(gauges.kv_usage)
+
+    def refresh(self) -> None:
+        """Bring the counters that mirror the engine's running totals up to date (at scrape time)."""
+        g = self._gauges
+        if g is None:
+            return
+        self._advance(self.c_prefix_queries, "queries", g.prefix_queries())
+        self._advance(self.c_prefix_hits, "hits", g.prefix_hits())
+        self._advance(self.c_external_queries, "ext_queries", g.external_queries())
+        self._advance(self.c_external_hits, "ext_hits", g.external_hits())
+        self._advance(self.c_preemptions, "preemptions", g.preemptions())
+        self._advance(self.engine_slip, "slip", g.slipped_seconds())
+        if self.g_lora is not None:
+            self.g_lora.labels(
+                str(self._max_loras), ",".join(g.lora_waiting()), ",".join(g.lora_running())
+            ).set(time.time())
 
     def render(self) -> bytes:
-        g = self._gauges
-        if g is not None:
-            waiting, deferred = g.waiting(), g.deferred()
-            self.g_running.set(g.running())
-            self.g_waiting.set(waiting)
-            self.g_capacity.set(waiting - deferred)
-            self.g_deferred.set(deferred)
-            self.g_usage.set(g.kv_usage())
-            self._advance(self.c_prefix_queries, "queries", g.prefix_queries())
-            self._advance(self.c_prefix_hits, "hits", g.prefix_hits())
-            self._advance(self.c_external_queries, "ext_queries", g.external_queries())
-            self._advance(self.c_external_hits, "ext_hits", g.external_hits())
-            self._advance(self.c_preemptions, "preemptions", g.preemptions())
-            if self.g_lora is not None:
-                self.g_lora.labels(
-                    str(self._max_loras), ",".join(g.lora_waiting()), ",".join(g.lora_running())
-                ).set(time.time())
-        return generate_latest(self.registry)
+        self.refresh()
+        head = generate_latest(self.runtime) if self.runtime is not None else b""
+        return head + self.registry.render().encode()
 
-    def _advance(self, counter: Counter, key: str, total: int) -> bool:
+    def _advance(self, counter: CounterChild, key: str, total: float) -> None:
         """Counters mirror the scheduler's running totals (the scheduler knows no Prometheus)."""
         delta = total - self._seen[key]
-        if delta <= 0:
-            return False
-        counter.inc(delta)
-        self._seen[key] = total
-        return True
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[key] = total
 
     # -- per step / per request ------------------------------------------------------------
     def on_step(self, num_tokens: int, num_generated: int) -> None:
@@ -256,9 +285,7 @@ class SimMetrics:
 
     def on_first_token(self, req: SimRequest) -> None:
         """At the end of a request's prefill (vLLM counts prompt tokens there, not at the end)."""
-        cached = req.cached_tokens
-        pulled = req.num_prompt_tokens - cached if req.pull_ok else 0
-        computed = req.num_prompt_tokens - cached - pulled
+        cached, pulled, computed = _prompt_sources(req)
         self.prompt_tokens.inc(req.num_prompt_tokens)
         self.prompt_by_source["local_compute"].inc(computed)
         self.prompt_by_source["local_cache_hit"].inc(cached)
@@ -266,23 +293,25 @@ class SimMetrics:
         self.prompt_tokens_cached.inc(cached + pulled)
         self.cached_by_source["device"].inc(cached)
         self.cached_by_source["p2p"].inc(pulled)
-        self.h_prefill_computed.observe(computed)
         if req.first_token_at is not None:
             self.h_ttft.observe(max(0.0, req.first_token_at - req.arrival))
 
     def on_token_gaps(self, gaps: dict[float, int]) -> None:
         """Inter-token gaps of one step: gap in seconds -> number of requests."""
         for seconds, n in gaps.items():
-            observe_many(self.h_itl, seconds, n)
+            self.h_itl.observe(seconds, n)
 
     def on_finished(self, req: SimRequest) -> None:
-        self.request_success[req.finish_reason or "abort"].inc()
+        """A request the engine finished (stop or length); vLLM's ``update_from_finished_request``."""
+        self.request_success[req.finish_reason or "stop"].inc()
+        generated = len(req.output_ids)
         self.h_prompt.observe(req.num_prompt_tokens)
-        self.h_generation.observe(len(req.output_ids))
-        self.h_max_generation.observe(req.max_tokens)
+        self.h_generation.observe(generated)
+        self.h_max_generation.observe(generated)  # the most any of the request's n choices generated
         self.h_max_tokens.observe(req.max_tokens)
         self.h_n.observe(1)
         self.h_preemptions.observe(req.num_preemptions)
+        self.h_prefill_computed.observe(_prompt_sources(req)[2])
         end = req.finished_at or req.arrival
         self.h_e2e.observe(max(0.0, end - req.arrival))
         if req.scheduled_at is not None:
@@ -292,5 +321,11 @@ class SimMetrics:
                 self.h_prefill.observe(max(0.0, req.first_token_at - req.scheduled_at))
         if req.first_token_at is not None:
             self.h_decode.observe(max(0.0, end - req.first_token_at))
-            if len(req.output_ids) > 1:
-                self.h_tpot.observe((end - req.first_token_at) / (len(req.output_ids) - 1))
+            self.h_tpot.observe((end - req.first_token_at) / (generated - 1) if generated > 1 else 0.0)
+
+
+def _prompt_sources(req: SimRequest) -> tuple[int, int, int]:
+    """Prompt tokens from the local prefix cache, pulled from a prefill pod, and computed here."""
+    cached = req.cached_tokens
+    pulled = req.num_prompt_tokens - cached if req.pull_ok else 0
+    return cached, pulled, req.num_prompt_tokens - cached - pulled

@@ -292,6 +292,7 @@ async def kv_pull(request: web.Request) -> web.Response:
 def build_app(state: SimState) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
     app[STATE] = state
+    state.metrics.http.instrument(app)  # vLLM's http_request* families
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

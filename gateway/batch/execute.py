@@ -14,7 +14,8 @@ import msgspec
 
 from kvflow.errors import KvflowError, ModelNotFoundError, NoCapacityError, RateLimitError, UpstreamError
 from kvflow.gateway.app import Gateway
-from kvflow.gateway.batch.lines import ENDPOINTS
+from kvflow.gateway.batch.lines import ENDPOINTS, encode_body
+from kvflow.gateway.body import client_kv_params
 from kvflow.gateway.httpserver import Request
 from kvflow.gateway.pools import Pool
 from kvflow.gateway.proxy import Exchange
@@ -66,6 +67,7 @@ def prepare(gateway: Gateway, endpoint: str, request: bytes, request_id: str) ->
     body = _decoder.decode(request)
     try:
         validate(ENDPOINTS[endpoint], body)
+        client_kv_params(body, gateway.config.client_kv_transfer_params)  # P/D is the gateway's business
         found = gateway.names.get(body["model"])
         if found is None:
             raise ModelNotFoundError(body["model"])

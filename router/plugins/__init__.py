@@ -14,6 +14,7 @@ from kvflow.router.plugins import (  # noqa: F401 - imported to register
     running,
     saturation_filter,
     session_affinity,
+    ttft,
     weighted_random,
 )
 from kvflow.router.plugins.registry import REGISTRY, PluginContext, build, register, validate

@@ -1,4 +1,6 @@
-"""More free KV cache scores higher: ``1 - vllm:kv_cache_usage_perc``."""
+"""More free KV cache scores higher: ``1 - usage``, with usage as scraped
+(``vllm:kv_cache_usage_perc``) moved by the tokens this router sent or finished since
+(``EndpointView.kv_usage``)."""
 
 from __future__ import annotations
 
@@ -16,4 +18,4 @@ class KvCacheScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
-        return {ep.id: 1.0 - ep.metrics.kv_usage for ep in endpoints}
+        return {ep.id: 1.0 - ep.kv_usage for ep in endpoints}

@@ -1,7 +1,8 @@
 """Shorter waiting queue scores higher (min-max over the candidates, as the EPP does).
 
-The queue counts the requests the router dispatched since the last scrape, so a burst that
-lands between two scrapes does not pile onto one pod.
+The queue is ``EndpointView.queue``: this router's requests with no first token yet (live), plus
+other routers' waiting requests as last scraped, so a burst that lands between two scrapes does
+not pile onto one pod.
 """
 
 from __future__ import annotations
@@ -20,4 +21,4 @@ class QueueScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
-        return min_max_inverse({ep.id: float(ep.metrics.waiting + ep.counter.dispatched) for ep in endpoints})
+        return min_max_inverse({ep.id: float(ep.queue) for ep in endpoints})

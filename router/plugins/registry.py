@@ -37,6 +37,8 @@ class PluginContext:
     event_sources: frozenset[EndpointId] | set[EndpointId] = frozenset()
     """Endpoints whose KV events have been heard: for the others the precise scorer falls back
     to the approximate index rather than assume an empty cache."""
+    step_tokens: int = 256
+    """An engine step's fixed cost in prompt tokens of prefill work (``RouterConfig.step_tokens``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,16 +31,11 @@ class SaturationFilter:
         self.p = params
 
     def saturated(self, ep: EndpointView) -> bool:
-        return ep.queue > self.p.queue_limit or ep.metrics.kv_usage >= self.p.kv_limit
+        return ep.queue > self.p.queue_limit or ep.kv_usage >= self.p.kv_limit
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        # ``saturated`` inlined: this runs for every endpoint of every decision.
-        queue_limit, kv_limit = self.p.queue_limit, self.p.kv_limit
-        kept = [
-            ep
-            for ep in endpoints
-            if not (ep.metrics.waiting + ep.counter.dispatched > queue_limit or ep.metrics.kv_usage >= kv_limit)
-        ]
+        saturated = self.saturated
+        kept = [ep for ep in endpoints if not saturated(ep)]
         if endpoints and not kept:
             raise RateLimitError("every endpoint is saturated; retry later", retry_after=self.p.retry_after)
         return kept

@@ -25,6 +25,8 @@ class ScriptedRouter:
     rotate: bool = False
     started: list[str] = field(default_factory=list)
     finished: list[tuple[str, bool]] = field(default_factory=list)
+    """(request id, answered) as each request's accounting ended."""
+    flights: list[tuple[str, list[str]]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     scheduled: list[SchedulingRequest] = field(default_factory=list)
     _n: int = 0
@@ -44,11 +46,13 @@ class ScriptedRouter:
             targets, self._n = targets[k:] + targets[:k], self._n + 1
         return SchedulingResult("default", targets, self.prefill, 0)
 
-    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        self.started.append(request.request_id)
+    max_prompt_tokens: int = 1 << 20
 
-    def request_finished(self, request: SchedulingRequest, result: SchedulingResult, *, ok: bool) -> None:
-        self.finished.append((request.request_id, ok))
+    async def prepare(self, request: SchedulingRequest) -> None: ...
+
+    def flight(self, request: SchedulingRequest, result: SchedulingResult) -> RecordingFlight:
+        self.started.append(request.request_id)
+        return RecordingFlight(self, request.request_id)
 
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.failed.append(endpoint.id)
@@ -56,6 +60,43 @@ class ScriptedRouter:
     @property
     def endpoints(self) -> Sequence[Endpoint]:
         return self.targets
+
+
+@dataclass
+class RecordingFlight:
+    """Records what the gateway told the router about one request (kvflow.router.flight.Flight)."""
+
+    router: ScriptedRouter
+    request_id: str
+    events: list[str] = field(default_factory=list)
+    served: bool = False
+
+    def send_prefill(self, endpoint: Endpoint) -> None:
+        self.events.append(f"prefill {endpoint.id}")
+
+    def prefill_done(self, *, ok: bool) -> None:
+        self.events.append(f"prefill_done {ok}")
+
+    def send(self, endpoint: Endpoint, *, remote: bool = False) -> None:
+        self.events.append(f"send {endpoint.id}")
+
+    def failed(self, endpoint: Endpoint) -> None:
+        self.events.append(f"failed {endpoint.id}")
+
+    def first_token(self, *, observe: bool = True) -> None:
+        self.served = True
+        self.events.append("first_token" if observe else "answered")
+
+    def finish(self) -> None:
+        self.events.append("finish")
+        self.router.finished.append((self.request_id, self.served))
+        self.router.flights.append((self.request_id, self.events))
+
+    def __enter__(self) -> RecordingFlight:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
 
 
 @dataclass

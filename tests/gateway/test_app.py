@@ -112,7 +112,7 @@ async def test_forwards_the_original_bytes_with_a_request_id(start) -> None:  # 
     assert (status, body["choices"][0]["text"], headers["X-Request-Id"]) == (200, "from pod0", "req-42")
     assert stack.pods[0].received == [json.loads(raw)]
     assert stack.pods[0].headers[0]["x-request-id"] == "req-42"
-    assert stack.router.finished == [("req-42", True)]
+    assert stack.router.flights == [("req-42", [f"send {stack.pods[0].endpoint.id}", "answered", "finish"])]
 
 
 @pytest.mark.parametrize(("behaviours", "served_by", "failed"), [
@@ -131,6 +131,10 @@ async def test_failures_before_the_first_byte_retry_on_the_next_candidate(
         assert status == 200
         assert (served_by in json.dumps(body)) or (served_by.split()[-1] in body)
     assert [f.split(":")[0] for f in stack.router.failed] == failed * 2
+    for _, events in stack.router.flights:  # every failed attempt was undone before the next one
+        sends = [e for e in events if e.startswith("send")]
+        assert [e.split()[0] for e in events[: 2 * len(sends) - 1]] == ["send", "failed"] * (len(sends) - 1) + ["send"]
+        assert events[-1] == "finish"
     metrics = (await (await stack.session.get(stack.url + "/metrics")).read()).decode()
     assert f'kvflow_gateway_retries_total{{model="{MODEL}"' in metrics
 
@@ -171,7 +175,7 @@ async def test_a_client_disconnect_cancels_the_upstream_request(start) -> None: 
             break
         await asyncio.sleep(0.02)
     assert stack.pods[0].cancelled == 1
-    assert stack.router.finished[0][1] is False
+    assert stack.router.flights[0][1][-2:] == ["first_token", "finish"]  # released though cut short
 
 
 async def test_pd_sends_the_nixl_protocol_to_prefill_then_decode(start) -> None:  # type: ignore[no-untyped-def]

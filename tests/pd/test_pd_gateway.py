@@ -8,7 +8,6 @@ threshold. Killing the prefill pod during a run must cost fallbacks, never a cli
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +16,6 @@ import aiohttp
 import pytest
 
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl nixl-cu12)")
-if importlib.util.find_spec("kvflow.gateway.cli") is None:
-    pytest.skip("the gateway is not built yet", allow_module_level=True)
 
 from kvflow.procs import ProcessGroup, kvflow_argv
 from tests.conftest import free_port

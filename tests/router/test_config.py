@@ -12,12 +12,12 @@ def test_builtins_need_no_config() -> None:
     config = load_config(None)
     assert {"round-robin", "least-load", "prefix-approx", "prefix-precise", "default"} <= set(config.profiles)
     assert config.default_profile == "default"
-    assert (config.block_size, config.scrape_interval, config.pd_threshold) == (16, 0.05, 256)
+    assert (config.block_size, config.scrape_interval, config.scrape_idle_interval, config.pd_threshold) == (16, 0.5, 2.0, 256)
 
 
-def test_default_profile_weighs_prefix_2_kv_1_queue_1() -> None:
+def test_default_profile_is_estimated_ttft_with_kv_lora_and_session_tie_breakers() -> None:
     weights = {r.plugin_ref: r.weight for r in load_config(None).profiles["default"].plugins if r.weight is not None}
-    assert (weights["prefix-precise"], weights["kv-cache"], weights["queue"]) == (2, 1, 1)
+    assert weights == {"ttft": 4, "kv-cache": 1, "lora-affinity": 1, "session-affinity": 1}
 
 
 def test_user_profile_and_pool() -> None:

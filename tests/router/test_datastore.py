@@ -8,7 +8,7 @@ from pathlib import Path
 from kvflow.procs import ProcessGroup, free_port, kvflow_argv
 from kvflow.router import Router, load_config
 from kvflow.router.datastore import Datastore
-from kvflow.router.model import EngineMetrics
+from kvflow.router.model import EngineMetrics, LoadCounter
 from kvflow.endpoints import Endpoint
 
 A, B = Endpoint("127.0.0.2", 8000), Endpoint("127.0.0.3", 8000)
@@ -24,10 +24,8 @@ def test_health_transitions() -> None:
     ds.record_failure(A.id)
     ds.record_scrape(B.id, EngineMetrics(running=2), now=10.0)
     assert healthy(ds) == {A.id: False, B.id: True}
-    ds.expire(now=10.5, stale_after=1.0)
+    ds.record_scrape(B.id, EngineMetrics(running=2), now=99.0)  # however long since: time alone drops no one
     assert healthy(ds)[B.id] is True
-    ds.expire(now=11.5, stale_after=1.0)
-    assert healthy(ds)[B.id] is False
     ds.record_scrape(A.id, EngineMetrics(), now=12.0)
     ds.mark_failed(A.id)
     assert healthy(ds)[A.id] is False
@@ -51,9 +49,51 @@ def test_dispatched_since_scrape_resets_on_scrape() -> None:
     ds = Datastore([A])
     ds.started(A.id)
     ds.started(A.id)
-    assert (ds.view(A.id).queue, ds.view(A.id).in_flight) == (2, 2)  # type: ignore[union-attr]
+    assert (ds.view(A.id).dispatched_since_scrape, ds.view(A.id).in_flight) == (2, 2)  # type: ignore[union-attr]
     ds.record_scrape(A.id, EngineMetrics(waiting=1), now=1.0)
-    assert (ds.view(A.id).queue, ds.view(A.id).in_flight) == (1, 2)  # type: ignore[union-attr]
+    assert (ds.view(A.id).dispatched_since_scrape, ds.view(A.id).in_flight) == (0, 2)  # type: ignore[union-attr]
+
+
+def test_own_load_is_live_and_other_routers_load_comes_from_scrapes() -> None:
+    ds = Datastore([A])
+    counter = ds.counter(A.id)
+    assert counter is not None
+    counter.in_flight, counter.prefilling = 2, 1  # this router: one prefilling, one decoding
+    ds.record_scrape(A.id, EngineMetrics(running=4, waiting=3), now=1.0)
+    view = ds.view(A.id)
+    assert view is not None
+    # the pod has 7; 2 are ours (1 of them waiting), so 2 other routers' wait and 3 run
+    assert (view.foreign_waiting, view.foreign_running) == (2, 3)
+    assert (view.queue, view.load, view.decoding) == (3, 7, 4)
+    counter.in_flight, counter.prefilling = 5, 4  # we sent three more since the scrape
+    assert (view.queue, view.load, view.decoding) == (6, 10, 4)
+
+
+def test_kv_usage_moves_with_the_tokens_sent_since_the_scrape() -> None:
+    ds = Datastore([A])
+    counter = ds.counter(A.id)
+    assert counter is not None
+    counter.tokens = 100
+    ds.record_scrape(A.id, EngineMetrics(kv_usage=0.25, block_size=16, num_blocks=100), now=1.0)
+    view = ds.view(A.id)
+    assert view is not None and view.kv_usage == 0.25
+    counter.tokens += 800  # half the cache's 1,600 tokens
+    assert view.kv_usage == 0.75
+    counter.tokens += 8000
+    assert view.kv_usage == 1.0
+
+
+def test_prefill_queue_drains_at_the_pod_rate_and_ends_at_a_first_token() -> None:
+    counter = LoadCounter(default_rate=1000.0)
+    assert counter.enqueue(500, now=0.0) == (0.0, 500)
+    assert counter.enqueue(300, now=0.1) == (400.0, 800)  # 100 tokens drained in 0.1 s
+    assert counter.queued(0.3) == 500.0
+    counter.prefilled(800)  # the second request's first token: nothing sent before it is left
+    assert counter.queued(0.3) == 0.0
+    counter.enqueue(200, now=1.0)
+    counter.dequeue(200, now=1.0)  # that request failed before the pod computed anything
+    assert counter.queued(1.0) == 0.0
+    assert counter.mean_work == 1000 / 3
 
 
 async def _until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
@@ -76,9 +116,11 @@ async def test_scraped_pod_drops_out_and_comes_back(tmp_path: Path) -> None:
         router = Router(load_config({"kvEvents": {"enabled": False}}), [live, dead])
         await router.start()
         try:
-            assert await _until(lambda: healthy(router.datastore) == {live.id: True, dead.id: False})
-            view = router.datastore.view(live.id)
-            assert view is not None and view.metrics.num_blocks is not None  # parsed from vllm:cache_config_info
+            def scraped() -> bool:
+                view = router.datastore.view(live.id)
+                return view is not None and view.metrics.num_blocks is not None  # from vllm:cache_config_info
+
+            assert await _until(lambda: healthy(router.datastore) == {live.id: True, dead.id: False} and scraped())
             group.stop(sim)
             assert await _until(lambda: not healthy(router.datastore)[live.id])
             group.start("sim-again", argv, ready_url=f"http://{host}:{port}/health")

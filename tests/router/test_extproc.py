@@ -41,12 +41,12 @@ def set_headers(resp: pb.ProcessingResponse, field: str) -> dict[str, str]:
 PODS = [Endpoint("127.0.0.2", 8000), Endpoint("127.0.0.3", 8000)]
 
 
-def test_full_duplex_routes_after_the_whole_body() -> None:
+async def test_full_duplex_routes_after_the_whole_body() -> None:
     proc = ExternalProcessor(Router(load_config(None), PODS))
     ex = _Exchange()
-    assert proc._handle(ex, headers_msg(mode=4, x_request_id="r1")) == []
-    assert proc._handle(ex, body_msg(BODY[:100], end=False)) == []
-    out = proc._handle(ex, body_msg(BODY[100:], end=True))
+    assert await proc._handle(ex, headers_msg(mode=4, x_request_id="r1")) == []
+    assert await proc._handle(ex, body_msg(BODY[:100], end=False)) == []
+    out = await proc._handle(ex, body_msg(BODY[100:], end=True))
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
     picked = set_headers(out[0], "request_headers")["x-gateway-destination-endpoint"]
     assert out[0].request_headers.response.clear_route_cache
@@ -57,54 +57,54 @@ def test_full_duplex_routes_after_the_whole_body() -> None:
     assert sum(v.in_flight for v in proc.router.datastore.snapshot()) == 1
     # the response streams back; its last chunk ends the accounting
     status = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
-    resp = proc._handle(ex, pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=status)))
+    resp = await proc._handle(ex, pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=status)))
     assert set_headers(resp[0], "response_headers") == {"x-kvflow-endpoint": picked}
-    chunk = proc._handle(ex, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True)))
+    chunk = await proc._handle(ex, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True)))
     assert chunk[0].response_body.response.body_mutation.streamed_response.body == b"data: x\n\n"
     assert sum(v.in_flight for v in proc.router.datastore.snapshot()) == 0
 
 
-def test_buffered_mode_routes_on_the_body_response() -> None:
+async def test_buffered_mode_routes_on_the_body_response() -> None:
     proc = ExternalProcessor(Router(load_config(None), PODS))
     ex = _Exchange()
-    first = proc._handle(ex, headers_msg(mode=2))
+    first = await proc._handle(ex, headers_msg(mode=2))
     assert [r.WhichOneof("response") for r in first] == ["request_headers"]
-    out = proc._handle(ex, body_msg(BODY, end=True))
+    out = await proc._handle(ex, body_msg(BODY, end=True))
     assert [r.WhichOneof("response") for r in out] == ["request_body"]
     assert "x-gateway-destination-endpoint" in set_headers(out[0], "request_body")
     assert not out[0].request_body.response.HasField("body_mutation")
 
 
-def test_pd_sets_the_prefiller_header() -> None:
+async def test_pd_sets_the_prefiller_header() -> None:
     pods = [Endpoint("127.0.0.2", 8000, role=Role.DECODE), Endpoint("127.0.0.4", 8000, role=Role.PREFILL)]
     proc = ExternalProcessor(Router(load_config({"pd": {"threshold": 100}}), pods))
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4))
-    out = proc._handle(ex, body_msg(BODY, end=True))
+    await proc._handle(ex, headers_msg(mode=4))
+    out = await proc._handle(ex, body_msg(BODY, end=True))
     assert set_headers(out[0], "request_headers") == {
         "x-gateway-destination-endpoint": "127.0.0.2:8000",
         "x-prefiller-host-port": "127.0.0.4:8000",
     }
 
 
-def test_errors_become_immediate_responses() -> None:
+async def test_errors_become_immediate_responses() -> None:
     router = Router(load_config(None), PODS[:1])
     proc = ExternalProcessor(router)
     cases = [(b"{oops", 400, "BadRequestError")]
     for body, status, kind in cases:
         ex = _Exchange()
-        proc._handle(ex, headers_msg(mode=4))
-        (out,) = proc._handle(ex, body_msg(body, end=True))
+        await proc._handle(ex, headers_msg(mode=4))
+        (out,) = await proc._handle(ex, body_msg(body, end=True))
         assert out.immediate_response.status.code == status
         assert json.loads(out.immediate_response.body)["error"]["type"] == kind
     router.datastore.record_scrape(PODS[0].id, EngineMetrics(waiting=10_000), now=1.0)
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4))
-    (out,) = proc._handle(ex, body_msg(BODY, end=True))
+    await proc._handle(ex, headers_msg(mode=4))
+    (out,) = await proc._handle(ex, body_msg(BODY, end=True))
     assert out.immediate_response.status.code == 429
     assert {h.header.key: h.header.raw_value for h in out.immediate_response.headers.set_headers}["retry-after"] == b"1"
     router.mark_failed(PODS[0])
     ex = _Exchange()
-    proc._handle(ex, headers_msg(mode=4))
-    (out,) = proc._handle(ex, body_msg(BODY, end=True))
+    await proc._handle(ex, headers_msg(mode=4))
+    (out,) = await proc._handle(ex, body_msg(BODY, end=True))
     assert out.immediate_response.status.code == 503

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
+from kvflow.router import kv_events
 from kvflow.hashing import hash_request_tokens, to_external
 from kvflow.router.kv_events import (
     AllBlocksCleared,
+    BadEvent,
     BlockRemoved,
     BlockStored,
     KvEventSubscriber,
@@ -194,4 +197,88 @@ async def test_missed_batches_are_replayed() -> None:
         await sub.close()
         pub.close(linger=0)
         router_sock.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+def _raw(*events: object) -> bytes:
+    """A batch as an arbitrary (possibly hostile) publisher could encode it."""
+    return msgspec.msgpack.encode([1.0, list(events)])
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _raw(["BlockStored", [float("nan")], None, [], 16, None, None]),
+        _raw(["BlockStored", [float("inf")], None, [], 16, None, None]),
+        _raw(["BlockStored", [-1], None, [], 16, None, None]),
+        _raw(["BlockStored", ["not a hash"], None, [], 16, None, None]),
+        _raw(["BlockStored", [[1, 2]], None, [], 16, None, None]),
+        _raw(["BlockStored", [b""], None, [], 16, None, None]),
+        _raw(["BlockStored", [1], 2.5, [], 16, None, None]),
+        _raw(["BlockStored", [1], None, [], -16, None, None]),
+        _raw(["BlockStored", [1], None, [], 10**9, None, None]),
+        _raw(["BlockRemoved", 7, None]),
+        _raw(["BlockRemoved", list(range(70_000)), None]),
+        msgspec.msgpack.encode([1.0, "not a list"]),
+        b"\xc1 not msgpack",
+    ],
+    ids=["nan", "inf", "negative", "text", "nested", "empty-digest", "float-parent", "negative-block-size",
+         "huge-block-size", "hashes-not-a-list", "too-many-hashes", "events-not-a-list", "not-msgpack"],
+)
+def test_a_pod_cannot_put_garbage_in_the_index(payload: bytes) -> None:
+    with pytest.raises(BadEvent):
+        decode_batch(payload)
+
+
+async def _until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    problems: list[tuple[str, str]] = []
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, on_problem=lambda eid, kind: problems.append((eid, kind)))
+    ep = Endpoint("127.0.0.1", 1)
+    sub.add(ep, f"tcp://127.0.0.1:{port}")
+    calls = {"n": 0}
+    real_apply = kv_events.apply
+
+    def flaky_apply(*args: object, **kw: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in the router, not the pod")
+        real_apply(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv_events, "apply", flaky_apply)
+    try:
+        seq = 0
+        while not problems and seq < 500:  # the SUB socket connects while we publish
+            seq += 1
+            await pub.send_multipart([b"t", seq.to_bytes(8, "big"), _raw(["BlockStored", [-1], None, [], 16, None, None])])
+            await asyncio.sleep(0.01)
+        assert problems[0] == (ep.id, "bad_batch") and len(index) == 0
+
+        async def publish(h: int) -> bool:
+            nonlocal seq
+            seq += 1
+            await pub.send_multipart([b"t", seq.to_bytes(8, "big"), encode(BlockStoredV([h], None, [], 16, None, None))])
+            return await _until(lambda: index.match([h]) == {ep.id: 1}, timeout=1.0)
+
+        assert not await publish(41)  # the subscriber's own failure: restarted, not dead
+        assert await _until(lambda: (ep.id, "restart") in problems)
+        for attempt in range(50):
+            if await publish(42 + attempt):
+                break
+        else:
+            raise AssertionError("the restarted subscriber never applied an event")
+    finally:
+        await sub.close()
+        pub.close(linger=0)
         ctx.destroy(linger=0)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvflow.router.metrics_scrape import parse_metrics, relevant_lines
+import math
+
+import pytest
+
+from kvflow.router.metrics_scrape import MAX_LABEL, parse_metrics
 
 VLLM_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -41,8 +45,31 @@ def test_parse_vllm_metrics() -> None:
     assert (m.block_size, m.num_blocks, m.models) == (16, 2048, frozenset({"tiny"}))
 
 
-def test_histograms_are_dropped_before_parsing() -> None:
-    assert "time_to_first_token" not in relevant_lines(VLLM_TEXT)
+def test_families_sharing_a_prefix_are_not_mistaken_for_the_wanted_ones() -> None:
+    text = VLLM_TEXT + 'vllm:num_requests_waiting_by_reason{reason="capacity"} 99\n'
+    assert parse_metrics(text).waiting == 5
+
+
+@pytest.mark.parametrize(
+    "sample",
+    ["nan", "+Inf", "-Inf", "-1", "1e13", "not-a-number", ""],
+    ids=["nan", "inf", "minus-inf", "negative", "absurdly-large", "text", "missing"],
+)
+def test_a_pod_cannot_send_numbers_out_of_range(sample: str) -> None:
+    m = parse_metrics(f'vllm:num_requests_waiting{{model_name="m"}} {sample}\nvllm:num_requests_running 2\n')
+    assert (m.waiting, m.running, m.rejected) == (0, 2, 1)
+    assert math.isfinite(m.kv_usage)
+
+
+def test_a_pod_cannot_send_huge_labels_or_usage_over_one() -> None:
+    big = "x" * (MAX_LABEL + 1)
+    m = parse_metrics(
+        f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{big}",waiting_lora_adapters=""}} 1.0\n'
+        "vllm:kv_cache_usage_perc 3.5\n"
+        'vllm:cache_config_info{block_size="-16",num_gpu_blocks="99999999999999999"} 1.0\n'
+    )
+    assert (m.running_loras, m.rejected, m.kv_usage) == (frozenset(), 1, 1.0)
+    assert (m.block_size, m.num_blocks) == (None, None)
 
 
 def test_legacy_names_and_empty_text() -> None:

@@ -137,3 +137,12 @@ def test_precise_falls_back_to_approx_for_pods_without_kv_events() -> None:
     assert (again.targets[0], again.cached_tokens) == (first.targets[0], 512)  # learned by routing
     router.event_sources.add(first.targets[0].id)  # that pod's events are heard now: they are the truth
     assert router.schedule(req("c")).cached_tokens == 0
+
+
+def test_an_unknown_profile_is_the_clients_mistake_not_a_capacity_problem() -> None:
+    from kvflow.errors import InvalidRequestError
+
+    router = Router(load_config(None), PODS)
+    with pytest.raises(InvalidRequestError) as raised:
+        router.schedule(req("a", profile="no-such-profile"))
+    assert raised.value.status == 400 and "no-such-profile" in raised.value.message

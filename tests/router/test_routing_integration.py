@@ -2,38 +2,33 @@
 
 4 simulated vLLM pods (h100-llama8b timing), a shared-prefix workload (groups of requests
 sharing a long system prompt, interleaved), hit rates read from the pods' own
-``vllm:prefix_cache_*`` counters. ``bench/bench_routing.py`` is the full-size version.
+``vllm:prefix_cache_*`` counters. ``bench/bench_routing.py`` compares routers at full size.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+from kvbench.loadtest import Outcome, Workload, run
+from kvbench.pods import Pod, reset, router_config, start_pods
 
+from kvflow.procs import ProcessGroup
 from kvflow.router import Router, load_config
-from kvflow.router.loadtest import Outcome, Workload, run
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-from bench_routing import reset, router_config, start_pods  # noqa: E402
-
-from kvflow.procs import ProcessGroup  # noqa: E402
-from kvflow.endpoints import Endpoint  # noqa: E402
-
-Pods = list[tuple[Endpoint, str]]
 
 
 @pytest.fixture
 def pods_factory(tmp_path: Path) -> Iterator[object]:
     with ProcessGroup(tmp_path / "logs") as group:
-        yield lambda num_blocks, first_host: start_pods(group, 4, num_blocks, first_host=first_host)
+        yield lambda num_blocks, first_host: start_pods(group, decode=4, num_blocks=num_blocks, first_host=first_host)
 
 
-async def drive(pods: Pods, profile: str, workload: Workload, replicas: int = 1) -> Outcome:
-    await reset(pods)
+async def drive(pods: list[Pod], profile: str, workload: Workload, replicas: int = 1) -> Outcome:
+    async with aiohttp.ClientSession() as session:
+        await reset(session, pods)
     routers = [Router(load_config(router_config(pods)), profile=profile) for _ in range(replicas)]
     for r in routers:
         await r.start()

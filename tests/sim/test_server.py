@@ -100,7 +100,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(sim_pods: Any) -
         time.sleep(0.05)
     state = json.loads(pod.get("/_sim/state"))
     assert (state["running"], state["kv_cache_usage"]) == (0, 0.0)
-    assert 'finished_reason="abort",model_name="sim-model"} 1.0' in pod.get("/metrics").decode()
+    # as in vLLM, an aborted request is no finished request; its cut-off stream was a 2xx
+    metrics = pod.get("/metrics").decode()
+    assert 'finished_reason="abort",model_name="sim-model"} 0.0' in metrics
+    assert 'vllm:e2e_request_latency_seconds_count{engine="0",model_name="sim-model"} 0.0' in metrics
+    assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 1.0' in metrics
 
 
 def test_an_idle_simulator_uses_no_cpu(sim_pods: Any) -> None:

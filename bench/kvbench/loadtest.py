@@ -1,9 +1,12 @@
 """A shared-prefix workload driven through an in-process ``Router`` against real pods.
 
-Used by ``bench/bench_routing.py`` and the routing integration test: many groups of requests,
-each group sharing a long system prompt, arriving interleaved. The router picks, the driver
-posts the completion to the pick, and the pods' own ``vllm:prefix_cache_*`` counters say how
-much of the prompt was served from cache.
+Used by the routing integration test (``tests/router/test_routing_integration.py``): many
+groups of requests, each group sharing a long system prompt, arriving interleaved, at a fixed
+concurrency (closed loop). The router picks, the driver posts the completion to the pick, and
+the pods' own ``vllm:prefix_cache_*`` counters say how much of the prompt was served from cache.
+It drives a ``Router`` object in-process, which lets a test split the traffic over several
+router replicas; ``kvbench.loadgen`` is the open-loop generator that goes through a router's
+HTTP front door.
 """
 
 from __future__ import annotations

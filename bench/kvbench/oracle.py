@@ -1,0 +1,291 @@
+"""What the best router could do: a trace replayed offline on the simulator's own model.
+
+``replay`` is a discrete-event simulation of ``N`` pods, each running the simulator's pure
+``Scheduler`` (continuous batching, chunked prefill, the paged prefix cache with its LRU) and
+stepping on the timing profile's formula (``Profile.step_seconds``) — the same code
+``kvflow sim`` runs in real time, here on a virtual clock with no HTTP, no event-loop jitter and
+no CPU contention. A ``Policy`` picks each request's pod at its arrival:
+
+* ``RoundRobin`` — calibration: its replayed TTFT, set beside round-robin measured on live pods,
+  says how far the live run is from the model (HTTP, streaming, a loaded 2-core machine).
+* ``Clairvoyant`` — the oracle: it sees every pod's true prefix cache (the exact blocks), its
+  queue and running batch, and the prefixes that queued requests will have cached by the time
+  this one runs, and sends each request to the pod with the smallest estimated TTFT. It is a
+  greedy, perfectly informed router, not a proven optimum: it does not plan for requests yet to
+  come, so a router could beat it (a ratio below 1 in the table says so).
+
+``lower_bound`` is a provable bound instead: no router, on this simulator, can give request
+``i`` a TTFT below the time its pod needs just to compute the prompt tokens no earlier request
+could have cached (the longest block-aligned prefix it shares with any earlier request, its
+own earlier turns included), alone in the batch, in as few chunks as the token budget allows.
+Each measured TTFT is at least its request's bound, so the bound's mean and every percentile
+are below any router's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Protocol
+
+from kvflow.hashing import BlockHash
+from kvflow.sim.profiles import Profile
+from kvflow.sim.request import BlockHasher, HashConfig, SimRequest
+from kvflow.sim.scheduler import Scheduler, SchedulerConfig
+
+from kvbench.workloads import Trace, TraceRequest
+
+HASH = HashConfig(16, "0", "sha256")
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A trace request's prompt tokens and block hashes, computed once per trace."""
+
+    request: TraceRequest
+    token_ids: tuple[int, ...]
+    hashes: tuple[BlockHash, ...]
+
+
+def prepare(trace: Trace) -> list[Prepared]:
+    tok = _tokenizer()
+    out = []
+    for r in trace.requests:
+        ids = tok.encode(r.prompt)
+        out.append(Prepared(r, tuple(ids), tuple(BlockHasher(HASH, None, None).update(ids))))
+    return out
+
+
+@dataclass(slots=True)
+class Pod:
+    index: int
+    scheduler: Scheduler
+    step_end: float = 0.0
+    plan: object | None = None
+    routed: int = 0
+    expected_uncached: dict[str, int] = field(default_factory=dict)
+
+
+class Policy(Protocol):
+    name: str
+
+    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int: ...
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int:
+        self._next += 1
+        return (self._next - 1) % len(pods)
+
+
+class Clairvoyant:
+    """Smallest estimated TTFT, from each pod's exact state.
+
+    The estimate: what is left of the step now running, then the prompt tokens queued ahead of
+    this request (prefilling requests' remainders, waiting requests' uncached tokens) and its own
+    uncached tokens, computed in as many steps as the token budget needs, each step also paying
+    for the batch that is decoding meanwhile.
+    """
+
+    name = "oracle"
+
+    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int:
+        best, best_t = 0, math.inf
+        for pod in pods:
+            t = self.estimate(prepared, pod, now, profile)
+            if t < best_t - 1e-9:
+                best, best_t = pod.index, t
+        return best
+
+    @staticmethod
+    def cached_tokens(prepared: Prepared, pod: Pod) -> int:
+        sched = pod.scheduler
+        bs = sched.config.block_size
+        max_blocks = (len(prepared.token_ids) - 1) // bs
+        hashes = prepared.hashes[:max_blocks]
+        hit = len(sched.pool.longest_hit(hashes))
+        for other in [*sched.waiting, *sched.running]:  # prefixes about to be cached
+            if hit == len(hashes):
+                break
+            theirs = other.hasher.hashes
+            n = 0
+            for a, b in zip(hashes, theirs):
+                if a != b:
+                    break
+                n += 1
+            hit = max(hit, n)
+        return hit * bs
+
+    def estimate(self, prepared: Prepared, pod: Pod, now: float, profile: Profile) -> float:
+        sched = pod.scheduler
+        own = len(prepared.token_ids) - self.cached_tokens(prepared, pod)
+        ahead = decoding = ctx = 0
+        for req in sched.running:
+            if req.num_computed < len(req.prompt_ids):
+                ahead += len(req.prompt_ids) - req.num_computed
+            else:
+                decoding += 1
+                ctx += req.num_computed
+        for req in sched.waiting:
+            ahead += pod.expected_uncached.get(req.request_id, len(req.all_token_ids))
+        tokens = ahead + own
+        steps = max(1, math.ceil(tokens / sched.config.max_num_batched_tokens))
+        step = profile.step_base_s + decoding * profile.decode_per_seq_s + ctx * profile.decode_per_ctx_token_s
+        return max(0.0, pod.step_end - now) + steps * step + tokens * profile.prefill_per_token_s
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    policy: str
+    ttft: tuple[float, ...]
+    """Seconds, per trace request (NaN for one that never got a token)."""
+    finished: tuple[float, ...]
+    requests_per_pod: tuple[int, ...]
+    hit_rate: float
+
+
+def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blocks: int,
+           prepared: Sequence[Prepared] | None = None) -> ReplayResult:
+    prepared = list(prepared) if prepared is not None else prepare(trace)
+    config = SchedulerConfig(block_size=HASH.block_size, num_blocks=num_blocks,
+                             max_num_batched_tokens=profile.max_num_batched_tokens, kv_transfer=False)
+    sampler = _sampler()
+    fleet = [Pod(i, Scheduler(config, sampler, enable_events=False)) for i in range(pods)]
+    n = len(prepared)
+    ttft, finished = [math.nan] * n, [math.nan] * n
+    arrival = [0.0] * n
+    children = trace.children()
+    events: list[tuple[float, int, str, int]] = []
+    seq = 0
+
+    def push(t: float, kind: str, what: int) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, what))
+        seq += 1
+
+    def start_step(pod: Pod, now: float) -> None:
+        plan = pod.scheduler.schedule(now)
+        if plan.empty:
+            pod.plan = None
+            return
+        pod.plan = plan
+        pod.step_end = now + profile.step_seconds(plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens)
+        push(pod.step_end, "step", pod.index)
+
+    for p in prepared:
+        if p.request.after is None:
+            push(p.request.at, "send", p.request.index)
+    while events:
+        now, _, kind, what = heapq.heappop(events)
+        if kind == "send":
+            p = prepared[what]
+            pod = fleet[policy.pick(p, fleet, now, profile)]
+            pod.routed += 1
+            req = _sim_request(p, now)
+            pod.expected_uncached[req.request_id] = len(p.token_ids) - Clairvoyant.cached_tokens(p, pod)
+            arrival[what] = now
+            pod.scheduler.add(req)
+            if pod.plan is None:
+                start_step(pod, now)
+            continue
+        pod = fleet[what]
+        assert pod.plan is not None
+        for req in pod.scheduler.complete(pod.plan, now):  # type: ignore[arg-type]
+            i = int(req.request_id)
+            if len(req.output_ids) == 1:
+                ttft[i] = now - arrival[i]
+                pod.expected_uncached.pop(req.request_id, None)
+            if req.finished:
+                finished[i] = now
+                if i in children:
+                    child = children[i]
+                    push(now + prepared[child].request.at, "send", child)
+        start_step(pod, now)
+    hits = sum(p.scheduler.prefix_stats.hits for p in fleet)
+    queries = sum(p.scheduler.prefix_stats.queries for p in fleet)
+    return ReplayResult(policy.name, tuple(ttft), tuple(finished), tuple(p.routed for p in fleet),
+                        hits / queries if queries else 0.0)
+
+
+def lower_bound(trace: Trace, profile: Profile, prepared: Sequence[Prepared] | None = None) -> tuple[float, ...]:
+    """Per request: its TTFT can be no lower than this on the simulator, whatever the router."""
+    prepared = list(prepared) if prepared is not None else prepare(trace)
+    bs, budget = HASH.block_size, profile.max_num_batched_tokens
+    order = sorted(range(len(prepared)), key=lambda i: _earliest_send(trace, prepared, i))
+    seen: set[BlockHash] = set()
+    bounds = [0.0] * len(prepared)
+    for i in order:
+        p = prepared[i]
+        max_blocks = (len(p.token_ids) - 1) // bs
+        hit = 0
+        while hit < max_blocks and p.hashes[hit] in seen:
+            hit += 1
+        uncached = len(p.token_ids) - hit * bs
+        steps = max(1, math.ceil(uncached / budget))
+        bounds[i] = steps * profile.step_base_s + uncached * profile.prefill_per_token_s
+        seen.update(p.hashes)
+        answer_ids = _tokenizer().encode(p.request.answer, add_special_tokens=False) if p.request.answer else []
+        seen.update(BlockHasher(HASH, None, None).update([*p.token_ids, *answer_ids]))
+    return tuple(bounds)
+
+
+def _earliest_send(trace: Trace, prepared: Sequence[Prepared], i: int) -> float:
+    """A follow-up turn is sent no earlier than the sum of the think times before it."""
+    t, r = 0.0, prepared[i].request
+    while True:
+        t += r.at
+        if r.after is None:
+            return t
+        r = prepared[r.after].request
+
+
+def saturation_rate(workload_trace: Callable[[float], Trace], *, pods: int, profile: Profile, num_blocks: int,
+                    start: float = 1.0, knee: float = 3.0, limit: float = 200.0) -> float:
+    """The request rate where round-robin saturates on the replay: the first rate (a geometric
+    ladder, then bisection) whose mean TTFT exceeds ``knee`` times the mean at a light load."""
+
+    def mean_ttft(rate: float) -> float:
+        result = replay(workload_trace(rate), RoundRobin(), pods=pods, profile=profile, num_blocks=num_blocks)
+        done = [t for t in result.ttft if not math.isnan(t)]
+        return sum(done) / len(done) if done else math.inf
+
+    base = mean_ttft(start / 4)
+    lo, hi = start / 4, start
+    while mean_ttft(hi) <= knee * base:
+        lo, hi = hi, hi * 2
+        if hi > limit:
+            return limit
+    for _ in range(4):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_ttft(mid) <= knee * base else (lo, mid)
+    return hi
+
+
+def _sim_request(p: Prepared, now: float) -> SimRequest:
+    hasher = BlockHasher(HASH, None, None)
+    hasher.hashes = list(p.hashes)
+    return SimRequest(str(p.request.index), list(p.token_ids), p.request.max_tokens, hasher,
+                      random.Random(p.request.seed), now)
+
+
+@cache
+def _tokenizer():  # type: ignore[no-untyped-def]
+    from kvflow.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@cache
+def _sampler():  # type: ignore[no-untyped-def]
+    from kvflow.sim.sampler import Sampler
+
+    return Sampler(_tokenizer())

@@ -1,0 +1,119 @@
+"""Simulated vLLM pods for the routing benchmark: start them, reset their caches, read their
+own counters.
+
+Each pod listens on its own loopback address and binds its KV-event publisher as vLLM does
+(``tcp://*:PORT``: every interface), so the pods need distinct ports; ``router_config`` tells
+kvflow's router where each one publishes (in a cluster, every pod's own ``:5557``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvflow.endpoints import Endpoint
+from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+
+MODEL = "sim-model"
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    endpoint: Endpoint
+    role: str
+    """``both`` (aggregated), ``prefill`` or ``decode``."""
+    kv_events: str
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.id
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """One pod's cumulative counters, as its ``/metrics`` reports them."""
+
+    prefix_hits: float
+    prefix_queries: float
+    requests: float
+    """``vllm:request_success`` over every finish reason."""
+
+
+def start_pods(group: ProcessGroup, *, decode: int, prefill: int = 0, num_blocks: int, profile: str = "h100-llama8b",
+               first_host: int = 150, extra: Sequence[str] = ()) -> list[Pod]:
+    """``decode`` aggregated pods (decode pods when ``prefill`` > 0), then ``prefill`` pods."""
+    roles = [("decode" if prefill else "both")] * decode + ["prefill"] * prefill
+    pods = []
+    for i, role in enumerate(roles):
+        host = f"127.0.0.{first_host + i}"
+        port, kv_port = free_port(host), free_port("0.0.0.0")
+        argv = kvflow_argv("sim", "--host", host, "--port", str(port), "--model", MODEL, "--profile", profile,
+                           "--num-blocks", str(num_blocks), "--role", role,
+                           "--kv-events-endpoint", f"tcp://*:{kv_port}", "--log-level", "WARNING", *extra)
+        if role != "both":
+            argv += ["--kv-transfer", "modelled"]
+        group.start(f"pod-{i}-{role}", argv, env={"PYTHONHASHSEED": "0"}, ready_url=f"http://{host}:{port}/health")
+        pods.append(Pod(Endpoint(host, port), role, f"tcp://{host}:{kv_port}"))
+    group.wait_ready(90)
+    return pods
+
+
+def router_config(pods: Sequence[Pod]) -> dict[str, object]:
+    """The least a kvflow router needs here beyond its defaults: where each pod publishes."""
+    return {"pool": {"endpoints": [{"address": p.address, "role": p.role, "kvEvents": p.kv_events} for p in pods]}}
+
+
+def parse_counters(text: str) -> Counters:
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:request_success"):
+            sums[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return Counters(sums.get("vllm:prefix_cache_hits", 0.0), sums.get("vllm:prefix_cache_queries", 0.0),
+                    sums.get("vllm:request_success", 0.0))
+
+
+async def counters(session: aiohttp.ClientSession, pods: Sequence[Pod]) -> list[Counters]:
+    async def one(pod: Pod) -> Counters:
+        async with session.get(f"{pod.url}/metrics") as resp:
+            return parse_counters(await resp.text())
+
+    return list(await asyncio.gather(*(one(p) for p in pods)))
+
+
+async def wait_idle(session: aiohttp.ClientSession, pods: Sequence[Pod], timeout: float = 60.0) -> bool:
+    """Until no pod runs or queues a request (a run's stragglers must not leak into the next)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        busy = 0.0
+        for pod in pods:
+            async with session.get(f"{pod.url}/metrics") as resp:
+                for family in text_string_to_metric_families(await resp.text()):
+                    if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                        busy += sum(s.value for s in family.samples)
+        if busy == 0:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def reset(session: aiohttp.ClientSession, pods: Sequence[Pod], attempts: int = 50) -> None:
+    """``POST /reset_prefix_cache`` on every pod; vLLM refuses while blocks are in use (a P/D
+    prefill pod keeps an exported request's blocks until the decode side pulls them)."""
+    for pod in pods:
+        for _ in range(attempts):
+            async with session.post(f"{pod.url}/reset_prefix_cache") as resp:
+                body = await resp.text()
+                if resp.status == 200 and "false" not in body.lower():
+                    break
+            await asyncio.sleep(0.2)
+        else:
+            raise RuntimeError(f"{pod.address} would not reset its prefix cache: {resp.status} {body[:200]}")

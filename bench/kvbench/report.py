@@ -1,0 +1,180 @@
+"""Rows of the routing benchmark, the markdown table, issue 10's targets and the plots (pure
+but for writing the PNGs)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbench.loadgen import Run
+from kvbench.pods import Counters
+
+REFERENCE = "sglang cache_aware"
+ORACLE = "oracle (replay)"
+BOUND = "bound"
+REPLAY_RR = "round-robin (replay)"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    workload: str
+    router: str
+    rate: float
+    requests: int
+    errors: int
+    ttft_mean_ms: float
+    ttft_p90_ms: float
+    itl_ms: float = math.nan
+    tokens_per_s: float = math.nan
+    hit_rate: float = math.nan
+    """Prefix-cache hits / queries from the pods' own counters (the replay's own for oracle rows)."""
+    requests_per_pod: tuple[int, ...] = ()
+    router_cpu: float = math.nan
+    """The router process's CPU, as a share of one core over the run."""
+    client_cpu: float = math.nan
+    client_lag_ms: float = math.nan
+    load_avg: float = math.nan
+    answer_mismatches: int = 0
+    measured: bool = True
+
+    @property
+    def balance(self) -> float:
+        """Busiest pod's requests over the mean (1.0 = even)."""
+        if not self.requests_per_pod or not sum(self.requests_per_pod):
+            return math.nan
+        return max(self.requests_per_pod) / statistics.mean(self.requests_per_pod)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def measured_row(workload: str, router: str, rate: float, run: Run, before: Sequence[Counters],
+                 after: Sequence[Counters], decode_pods: Sequence[int], *, router_cpu: float, load_avg: float) -> Row:
+    done = [r for r in run.results if r.ok]
+    ttfts = [r.ttft * 1e3 for r in done]
+    itls = [r.itl * 1e3 for r in done if not math.isnan(r.itl)]
+    hits = sum(a.prefix_hits - b.prefix_hits for a, b in zip(after, before, strict=True))
+    queries = sum(a.prefix_queries - b.prefix_queries for a, b in zip(after, before, strict=True))
+    per_pod = tuple(int(after[i].requests - before[i].requests) for i in decode_pods)
+    span = max((r.last for r in done), default=0.0) - min((r.sent for r in done), default=0.0)
+    return Row(
+        workload, router, rate, len(run.results), len(run.results) - len(done),
+        statistics.mean(ttfts) if ttfts else math.nan, percentile(ttfts, 0.9),
+        statistics.mean(itls) if itls else math.nan, sum(r.tokens for r in done) / span if span > 0 else math.nan,
+        hits / queries if queries else math.nan, per_pod, router_cpu, run.cpu_share, run.max_lag * 1e3, load_avg,
+        sum(not r.answer_matches for r in done),
+    )
+
+
+def replay_row(workload: str, name: str, rate: float, ttft_s: Sequence[float], *, hit_rate: float = math.nan,
+               requests_per_pod: tuple[int, ...] = ()) -> Row:
+    ms = [t * 1e3 for t in ttft_s if not math.isnan(t)]
+    return Row(workload, name, rate, len(ttft_s), len(ttft_s) - len(ms), statistics.mean(ms) if ms else math.nan,
+               percentile(ms, 0.9), hit_rate=hit_rate, requests_per_pod=requests_per_pod, measured=False)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b and not math.isnan(a) and not math.isnan(b) else "–"
+
+
+def _f(v: float, fmt: str) -> str:
+    return "–" if math.isnan(v) else format(v, fmt)
+
+
+def table(rows: Sequence[Row]) -> str:
+    """One markdown table: every router at every rate, with ratios (mean TTFT) to sglang-router
+    cache_aware and to the oracle at the same rate."""
+    lines = [
+        "| rate (req/s) | router | TTFT mean (ms) | TTFT p90 (ms) | vs sglang ca | vs oracle | ITL (ms) | tok/s | "
+        "errors | hit rate | balance (max/mean) | req/pod | router CPU | client CPU | client lag (ms) | load avg |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for rate in sorted({r.rate for r in rows}):
+        at = [r for r in rows if r.rate == rate]
+        ref = next((r for r in at if r.router == REFERENCE), None)
+        oracle = next((r for r in at if r.router == ORACLE), None)
+        for r in at:
+            lines.append(
+                f"| {rate:g} | {r.router} | {_f(r.ttft_mean_ms, '.1f')} | {_f(r.ttft_p90_ms, '.1f')} | "
+                f"{_ratio(r.ttft_mean_ms, ref.ttft_mean_ms) if ref else '–'} | "
+                f"{_ratio(r.ttft_mean_ms, oracle.ttft_mean_ms) if oracle else '–'} | {_f(r.itl_ms, '.2f')} | "
+                f"{_f(r.tokens_per_s, '.0f')} | {r.errors if r.measured or r.errors else '–'} | "
+                f"{_f(r.hit_rate, '.2f')} | {_f(r.balance, '.2f')} | {'/'.join(map(str, r.requests_per_pod))} | "
+                f"{_f(r.router_cpu * 100, '.0f') + '%' if not math.isnan(r.router_cpu) else '–'} | "
+                f"{_f(r.client_cpu * 100, '.0f') + '%' if not math.isnan(r.client_cpu) else '–'} | "
+                f"{_f(r.client_lag_ms, '.1f')} | {_f(r.load_avg, '.2f')} |"
+            )
+    return "\n".join(lines)
+
+
+def calibration(rows: Sequence[Row]) -> str:
+    """Measured round-robin TTFT over the replay's, per rate: how well the replay models the pods."""
+    parts = []
+    for rate in sorted({r.rate for r in rows}):
+        replayed = next((r for r in rows if r.rate == rate and r.router == REPLAY_RR), None)
+        if replayed is None:
+            continue
+        for r in rows:
+            if r.rate == rate and r.measured and r.router.replace("_", "-").endswith("round-robin"):
+                parts.append(f"{r.router} @ {rate:g}: mean {_ratio(r.ttft_mean_ms, replayed.ttft_mean_ms)}, "
+                             f"p90 {_ratio(r.ttft_p90_ms, replayed.ttft_p90_ms)}")
+    return "replay calibration (measured / replayed round-robin TTFT): " + ("; ".join(parts) or "no round-robin run")
+
+
+def targets(workload: str, rows: Sequence[Row], saturation: float) -> str:
+    """Issue 10 item 6 at the rate where round-robin saturates: reported whether met or not."""
+    at = [r for r in rows if r.rate == saturation]
+    kv = next((r for r in at if r.router == "kvflow default"), None)
+    if kv is None:
+        return f"targets ({workload}): no kvflow default run at {saturation:g} req/s"
+    out = [f"targets ({workload}, {saturation:g} req/s, where round-robin saturates):"]
+    ref = next((r for r in at if r.router == REFERENCE), None)
+    if ref:
+        m, p = kv.ttft_mean_ms / ref.ttft_mean_ms, kv.ttft_p90_ms / ref.ttft_p90_ms
+        out.append(f"  TTFT vs sglang cache_aware: mean {m:.2f}, p90 {p:.2f} (target <= 0.80: "
+                   f"{'met' if max(m, p) <= 0.8 else 'NOT met'})")
+    oracle = next((r for r in at if r.router == ORACLE), None)
+    if oracle:
+        m = kv.ttft_mean_ms / oracle.ttft_mean_ms
+        out.append(f"  TTFT vs oracle: mean {m:.2f} (target <= 1.10: {'met' if m <= 1.1 else 'NOT met'})")
+    rr = [r.hit_rate for r in at if r.measured and r.router.replace("_", "-").endswith("round-robin")]
+    if rr:
+        x = kv.hit_rate / statistics.mean(rr) if statistics.mean(rr) else math.inf
+        out.append(f"  hit rate {kv.hit_rate:.2f} = {x:.1f}x round-robin's, balance {kv.balance:.2f} "
+                   f"(target >= 3x and <= 1.5: {'met' if x >= 3 and kv.balance <= 1.5 else 'NOT met'})")
+    return "\n".join(out)
+
+
+def plot(rows: Sequence[Row], title: str, path: Path) -> None:
+    """TTFT mean and p90 against request rate, one line per router; the oracle and the bound
+    dashed. Log scale: a saturated router's TTFT grows with the run's length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    routers = list(dict.fromkeys(r.router for r in rows))
+    for ax, attr, label in ((axes[0], "ttft_mean_ms", "TTFT mean (ms)"), (axes[1], "ttft_p90_ms", "TTFT p90 (ms)")):
+        for name in routers:
+            pts = sorted((r.rate, getattr(r, attr)) for r in rows if r.router == name)
+            style = "--" if name in (ORACLE, BOUND, REPLAY_RR) else "-"
+            width = 2.5 if name == "kvflow default" else 1.5
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", linewidth=width, label=name)
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

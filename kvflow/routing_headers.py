@@ -1,0 +1,46 @@
+"""Headers that choose where a request goes: the router's to set, never a client's.
+
+The endpoint picker tells Envoy where to send a request with ``x-gateway-destination-endpoint``
+(and the decode pod's sidecar where to prefill with ``x-prefiller-host-port``); kvflow's own
+``x-kvflow-*`` headers choose a scheduling profile or a priority. A client that could set any of
+them would choose its own destination (server-side request forgery) or jump the queue, so every
+edge removes them on ingress: the gateway, the sidecar, the ext_proc server, and the Envoy
+bootstrap kvflow renders. ``x-kvflow-profile`` and ``x-kvflow-priority`` may be allowed back by
+configuration (per API key on the gateway); the destination headers never are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, MutableMapping
+
+DESTINATION = "x-gateway-destination-endpoint"
+PREFILLER = "x-prefiller-host-port"
+PICKED = "x-kvflow-endpoint"
+"""A response header naming the picked pod: for debugging only, off by default."""
+PROFILE = "x-kvflow-profile"
+PRIORITY = "x-kvflow-priority"
+
+NEVER_FROM_CLIENTS = frozenset({
+    DESTINATION, PREFILLER, PICKED,
+    "x-gateway-destination-endpoint-served", "x-prefiller-url",  # llm-d's other spellings
+})
+"""Routing headers no configuration lets a client send."""
+ALLOWABLE = frozenset({PROFILE, PRIORITY})
+"""kvflow's own routing headers that configuration may let a client send."""
+KVFLOW_PREFIX = "x-kvflow-"
+
+
+def is_routing(name: str) -> bool:
+    """Whether a (lower-case) header name steers routing."""
+    return name in NEVER_FROM_CLIENTS or name.startswith(KVFLOW_PREFIX)
+
+
+def strip_client_routing(headers: MutableMapping[str, str], allowed: Collection[str] = ()) -> list[str]:
+    """Remove, in place, every routing header except ``allowed`` ones; the names removed.
+
+    ``headers`` has lower-case names (as kvflow's HTTP server and ext_proc give them)."""
+    found = [name for name in headers
+             if name in NEVER_FROM_CLIENTS or (name.startswith(KVFLOW_PREFIX) and name not in allowed)]
+    for name in found:
+        del headers[name]
+    return found

@@ -1,0 +1,207 @@
+"""One request's load on the pods that serve it, from dispatch to its end.
+
+Accounting follows the pod that actually serves: the gateway (or the ext_proc server) tells the
+``Flight`` each attempt it makes, and only a pod that was really sent the request carries its
+load and learns its prefix. A failed attempt is undone on that pod before the next one::
+
+    flight = router.flight(request, result)
+    try:
+        flight.send_prefill(pod)       # P/D: the prompt's prefill leg on a prefill pod ...
+        flight.prefill_done(ok=True)   # ... which ends (KV exported, or failed: decode computes it)
+        flight.send(pod)               # an attempt on a decode/aggregated pod
+        flight.failed(pod)             # that attempt failed before answering: undone there
+        flight.first_token()           # prefill done: its work leaves the pod's queue
+    finally:
+        flight.finish()                # whatever happened, nothing stays counted
+
+What a pod carries (``LoadCounter``): the request in flight, its prompt tokens (KV blocks), and
+until its first token the prompt tokens the pod must compute (not cached there), which is the
+queue a later request waits behind. The time from dispatch to first token, over the work that
+was ahead of it, is the pod's observed prefill speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from kvflow.endpoints import Endpoint, EndpointId
+from kvflow.router.model import LoadCounter
+
+if TYPE_CHECKING:
+    from kvflow.router.model import SchedulingRequest, SchedulingResult
+
+SPEED_WEIGHT = 0.2
+"""Weight of the newest observation in a pod's prefill-speed average."""
+
+Learn = Callable[[Endpoint, bool], None]
+"""Called with (endpoint, prefill leg?) when a pod is sent the request or it is undone there."""
+
+
+class _Leg:
+    """One pod's share of the request: its queue position, for as long as the pod holds it."""
+
+    __slots__ = ("endpoint", "counter", "work", "position", "ahead", "sent_at", "prefilling")
+
+    def __init__(self, endpoint: Endpoint, counter: LoadCounter | None, work: int, tokens: int, now: float) -> None:
+        self.endpoint, self.counter, self.work, self.sent_at, self.prefilling = endpoint, counter, work, now, True
+        self.ahead, self.position = 0.0, 0
+        if counter is not None:
+            counter.in_flight += 1
+            counter.dispatched += 1
+            counter.prefilling += 1
+            counter.tokens += tokens
+            self.ahead, self.position = counter.enqueue(work, now)
+
+    def prefilled(self) -> bool:
+        """Its prefill is done; False if it was already."""
+        if not self.prefilling:
+            return False
+        self.prefilling = False
+        if self.counter is not None:
+            self.counter.prefilling = max(0, self.counter.prefilling - 1)
+            self.counter.prefilled(self.position)
+        return True
+
+    def release(self, tokens: int, now: float, *, undo: bool) -> None:
+        """The pod no longer holds the request; ``undo``: it computed nothing of it."""
+        counter = self.counter
+        if counter is None:
+            return
+        if self.prefilling:
+            self.prefilling = False
+            counter.prefilling = max(0, counter.prefilling - 1)
+            if undo:
+                counter.dequeue(self.work, now)
+            else:  # it ended, so its prefill did too
+                counter.prefilled(self.position)
+        counter.in_flight = max(0, counter.in_flight - 1)
+        counter.dispatched = max(0, counter.dispatched - 1)
+        counter.tokens = max(0, counter.tokens - tokens)
+
+
+class Flight:
+    """See the module docstring. Every method is idempotent where a caller could repeat it."""
+
+    __slots__ = (
+        "request", "result", "_counter", "_cached_blocks", "_block_size", "_learn", "_forget", "_clock",
+        "_step_tokens", "_leg", "_prefill", "_remote", "served", "_done",
+    )
+
+    def __init__(
+        self,
+        request: SchedulingRequest,
+        result: SchedulingResult,
+        *,
+        counter: Callable[[EndpointId], LoadCounter | None],
+        cached_blocks: Mapping[EndpointId, int],
+        block_size: int,
+        learn: Learn,
+        forget: Learn,
+        clock: Callable[[], float],
+        step_tokens: int = 0,
+    ) -> None:
+        self.request = request
+        self.result = result
+        self._counter = counter
+        self._cached_blocks = cached_blocks
+        self._block_size = block_size
+        self._learn = learn
+        self._forget = forget
+        self._clock = clock
+        self._step_tokens = step_tokens
+        self._leg: _Leg | None = None
+        self._prefill: _Leg | None = None
+        self._remote = False
+        self.served: Endpoint | None = None
+        """The pod that answered (set by ``first_token`` or ``finish``), or None."""
+        self._done = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.token_ids)
+
+    def uncached(self, endpoint: Endpoint) -> int:
+        """Prompt tokens ``endpoint`` must compute, as the router believes (vLLM always computes one)."""
+        cached = self._cached_blocks.get(endpoint.id, 0) * self._block_size
+        return max(1, self.prompt_tokens - cached)
+
+    # -- P/D: the prefill leg --------------------------------------------------------------
+
+    def send_prefill(self, endpoint: Endpoint) -> None:
+        if self._done or self._prefill is not None:
+            return
+        work = self.uncached(endpoint)
+        self._prefill = _Leg(endpoint, self._counter(endpoint.id), work, self.prompt_tokens, self._clock())
+        self._learn(endpoint, True)
+
+    def prefill_done(self, *, ok: bool) -> None:
+        """The prefill pod answered (its KV is ready to pull) or failed (decode computes the prompt)."""
+        leg, self._prefill = self._prefill, None
+        if leg is None:
+            return
+        if ok:
+            leg.prefilled()
+            self._observe(leg)
+        leg.release(self.prompt_tokens, self._clock(), undo=not ok)
+        self._remote = ok
+        if not ok:
+            self._forget(leg.endpoint, True)
+
+    # -- attempts on decode / aggregated pods ----------------------------------------------
+
+    def send(self, endpoint: Endpoint, *, remote: bool = False) -> None:
+        """An attempt on ``endpoint`` starts (a previous one must have ended with ``failed``);
+        ``remote``: its KV comes from the prefill leg (the default once that leg succeeded)."""
+        if self._done or self._leg is not None:
+            return
+        self._remote = self._remote or remote
+        work = 0 if self._remote else self.uncached(endpoint)
+        self._leg = _Leg(endpoint, self._counter(endpoint.id), work, self.prompt_tokens, self._clock())
+        self._learn(endpoint, False)
+
+    def failed(self, endpoint: Endpoint) -> None:
+        """The attempt on ``endpoint`` failed before it answered: nothing of it stays there."""
+        leg = self._leg
+        if leg is None or leg.endpoint.id != endpoint.id:
+            return
+        self._leg = None
+        leg.release(self.prompt_tokens, self._clock(), undo=True)
+        self._forget(endpoint, False)
+
+    def first_token(self, *, observe: bool = True) -> None:
+        """The serving pod produced its first token (``observe``: the time is a real TTFT)."""
+        leg = self._leg
+        if leg is None or not leg.prefilled():
+            return
+        self.served = leg.endpoint
+        if observe and not self._remote:
+            self._observe(leg)
+
+    def finish(self) -> None:
+        """The request ended, however: whatever it still holds is released."""
+        if self._done:
+            return
+        self._done = True
+        if self._prefill is not None:
+            self.prefill_done(ok=False)
+        leg, self._leg = self._leg, None
+        if leg is not None:
+            self.served = leg.endpoint
+            leg.release(self.prompt_tokens, self._clock(), undo=False)
+
+    def _observe(self, leg: _Leg) -> None:
+        """The pod's prefill speed: time to first token over the work that was ahead, its own, a step."""
+        counter = leg.counter
+        units = leg.ahead + leg.work + self._step_tokens
+        if counter is None or units <= 0:
+            return
+        speed = (self._clock() - leg.sent_at) / units
+        old = counter.seconds_per_token
+        counter.seconds_per_token = speed if old <= 0 else old + SPEED_WEIGHT * (speed - old)
+
+    def __enter__(self) -> Flight:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()

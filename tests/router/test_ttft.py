@@ -1,0 +1,91 @@
+"""The estimated-TTFT scorer: cache against load, in one unit, on hand-made pods."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvflow.endpoints import Endpoint
+from kvflow.router.framework import Cycle
+from kvflow.router.hashcache import BlockHashCache
+from kvflow.router.model import EndpointView, EngineMetrics, LoadCounter, SchedulingRequest
+from kvflow.router.plugins import PluginContext, build
+from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
+
+PROMPT = list(range(1000, 1512))  # 32 blocks of 16
+STEP = 256
+
+
+def pods(n: int) -> list[Endpoint]:
+    return [Endpoint(f"127.0.0.{i + 2}", 8000) for i in range(n)]
+
+
+def run(
+    cached: dict[int, int],
+    *,
+    queued: dict[int, int] | None = None,
+    waiting: dict[int, int] | None = None,
+    decoding: dict[int, int] | None = None,
+    speed: dict[int, float] | None = None,
+    n: int = 3,
+) -> dict[int, float]:
+    """Estimates (tokens of work, or seconds once speeds are known) per pod index."""
+    eps = pods(n)
+    precise = PrefixIndex()
+    hashes = BlockHashCache(16).for_request(PROMPT).all()
+    for i, blocks in cached.items():
+        precise.add(eps[i].id, hashes[:blocks])
+    ctx = PluginContext(ApproxPrefixIndex(), precise, None, {ep.id for ep in eps}, STEP)
+    scorer = build("ttft", "ttft-scorer", {}, ctx)[1]
+    views = []
+    for i, ep in enumerate(eps):
+        counter = LoadCounter(default_rate=1.0)  # a token a second; the clock stands still, nothing drains
+        if queued and i in queued:
+            counter.enqueue(queued[i], now=0.0)
+        counter.in_flight = counter.prefilling = 1 if queued and i in queued else 0
+        counter.in_flight += (decoding or {}).get(i, 0)
+        counter.seconds_per_token = (speed or {}).get(i, 0.0)
+        metrics = EngineMetrics(waiting=(waiting or {}).get(i, 0))
+        views.append(EndpointView(ep, metrics, counter=counter))
+    request = SchedulingRequest("r", "m", PROMPT)
+    cycle = Cycle(request, BlockHashCache(16).for_request(PROMPT), random.Random(0), 16, now=0.0)
+    scores = scorer.score(cycle, views)
+    estimates = cycle.data["ttft"]
+    assert max(scores.values()) == 1.0
+    return {i: estimates[ep.id] for i, ep in enumerate(eps)}
+
+
+def test_a_cached_prefix_wins_on_idle_pods() -> None:
+    # pod 0 holds 30 of 32 blocks: 32 tokens to compute against 512 elsewhere
+    assert run({0: 30}) == {0: 32 + STEP, 1: 512 + STEP, 2: 512 + STEP}
+
+
+def test_a_hot_prefix_spreads_once_its_queue_costs_more_than_recomputing_it() -> None:
+    est = run({0: 30, 1: 30}, queued={0: 600, 1: 200})
+    assert est == {0: 600 + 32 + STEP, 1: 200 + 32 + STEP, 2: 512 + STEP}
+    assert min(est, key=est.__getitem__) == 1  # the other replica of the prefix, not the cold pod
+    est = run({0: 30}, queued={0: 600})
+    assert est[0] > est[1] == est[2]  # a queue longer than the prompt: recompute it elsewhere
+
+
+def test_a_cold_prefix_stays_home_behind_a_short_queue() -> None:
+    est = run({0: 30}, queued={0: 300})
+    assert min(est, key=est.__getitem__) == 0
+
+
+def test_other_routers_waiting_requests_count_at_the_mean_work() -> None:
+    est = run({}, queued={0: 100}, waiting={1: 3})  # our one request sent 100 tokens; pod 1 has 3 foreign
+    assert est == {0: 100 + 512 + STEP, 1: 3 * 100 + 512 + STEP, 2: 512 + STEP}
+
+
+def test_decoding_requests_slow_every_step() -> None:
+    assert run({}, decoding={0: 40}) == {0: 512 + STEP + 40, 1: 512 + STEP, 2: 512 + STEP}
+
+
+@pytest.mark.parametrize(("speeds", "expected"), [({0: 0.002, 1: 0.001}, {0: 2.0, 1: 1.0, 2: 1.5})])
+def test_observed_speed_turns_work_into_seconds(speeds: dict[int, float], expected: dict[int, float]) -> None:
+    # pods not yet observed take the median of the observed ones
+    est = run({}, speed=speeds)
+    work = 512 + STEP
+    assert {i: round(v / work / 0.001, 9) for i, v in est.items()} == expected
