@@ -60,6 +60,8 @@ class Prepared:
     pool: Pool
     lora: str | None
     body: dict[str, Any]
+    payload: bytes
+    """The body as sent upstream."""
 
 
 def prepare(gateway: Gateway, endpoint: str, request: bytes, request_id: str) -> Prepared | Answer:
@@ -67,24 +69,24 @@ def prepare(gateway: Gateway, endpoint: str, request: bytes, request_id: str) ->
     body = _decoder.decode(request)
     try:
         validate(ENDPOINTS[endpoint], body)
-        client_kv_params(body, gateway.config.client_kv_transfer_params)  # P/D is the gateway's business
+        changed = client_kv_params(body, gateway.config.client_kv_transfer_params)  # P/D is the gateway's own
         found = gateway.names.get(body["model"])
         if found is None:
             raise ModelNotFoundError(body["model"])
     except KvflowError as exc:
         return Answer(exc.status, msgspec.json.encode(exc.body()), request_id)
     pool, lora = found
-    return Prepared(pool, lora, body)
+    return Prepared(pool, lora, body, encode_body(body) if changed else request)
 
 
-async def run(gateway: Gateway, line: Prepared, endpoint: str, request: bytes, request_id: str) -> Answer:
+async def run(gateway: Gateway, line: Prepared, endpoint: str, request_id: str) -> Answer:
     """Serve the line; raise ``Transient`` when no pod could take it."""
     ex = Exchange(request_id, endpoint, model=line.pool.model, mode="batch")
     headers = {"x-request-id": request_id}
     capture = _Capture()
     try:
         # the gateway's own forwarding path: routing, retries, P/D (it only calls capture.send)
-        await gateway._serve(Request("POST", endpoint, "", headers, request, True),
+        await gateway._serve(Request("POST", endpoint, "", headers, line.payload, True),
                              capture, ex, line.pool, line.body, line.lora)  # type: ignore[arg-type]
     except TRANSIENT as exc:
         raise Transient(Answer(exc.status, msgspec.json.encode(exc.body()), request_id)) from None

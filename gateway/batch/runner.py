@@ -257,7 +257,7 @@ class BatchRunner:
         claimed = waiting.claimed
         request_id = _request_id(claimed)
         try:
-            answer = await execute.run(self.gateway, waiting.line, waiting.endpoint, claimed.request, request_id)
+            answer = await execute.run(self.gateway, waiting.line, waiting.endpoint, request_id)
         except execute.Transient as exc:
             if claimed.attempts >= self.config.max_attempts:
                 self._finish(claimed, exc.answer)
