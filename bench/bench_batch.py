@@ -190,11 +190,15 @@ def summary(name: str, samples: list[tuple[list[float], int]], rates: list[float
 
 async def with_kvflow_batch(session: aiohttp.ClientSession, url: str, trace: Trace,
                             seed: int) -> tuple[tuple[list[float], int], float]:
+    """Interactive TTFTs while a batch runs (it ran alone for 3 s first, so the interactive load
+    also meets the change from idle to busy), and the batch's lines/s once the band has settled:
+    from 3 s into the interactive load to its end."""
     batch_id = await submit_batch(session, url, batch_lines(int(trace.duration * 100) + 600, seed=seed))
-    await asyncio.sleep(3)  # the batch is up to speed
-    before = finished(await batch_state(session, url, batch_id))
-    t0 = time.perf_counter()
-    sample = await latency(url, trace)
+    await asyncio.sleep(3)
+    measuring = asyncio.create_task(latency(url, trace))
+    await asyncio.sleep(3)
+    before, t0 = finished(await batch_state(session, url, batch_id)), time.perf_counter()
+    sample = await measuring
     rate = (finished(await batch_state(session, url, batch_id)) - before) / (time.perf_counter() - t0)
     async with session.post(f"{url}/v1/batches/{batch_id}/cancel") as r:
         await r.read()

@@ -26,10 +26,14 @@ class BatchConfig(BaseModel):
     max_attempts: int = Field(5, ge=1)
     """Tries per line while no pod can be reached (502/503), with back-off; then the line fails."""
     per_pod: int = Field(_BAND.per_pod, ge=1)
+    first_cap: int = Field(_BAND.first_cap, ge=1)
     busy_per_pod: int = Field(_BAND.busy_per_pod, ge=0)
     max_waiting: int = Field(_BAND.max_waiting, ge=0)
+    idle_waiting: int = Field(_BAND.idle_waiting, ge=0)
     max_kv_usage: float = Field(_BAND.max_kv_usage, gt=0, le=1)
     quiet_s: float = Field(_BAND.quiet_s, ge=0)
 
     def limits(self) -> BandLimits:
-        return BandLimits(self.per_pod, self.busy_per_pod, self.max_waiting, self.max_kv_usage, self.quiet_s)
+        return BandLimits(per_pod=self.per_pod, first_cap=self.first_cap, busy_per_pod=self.busy_per_pod, max_waiting=self.max_waiting,
+                          idle_waiting=self.idle_waiting, max_kv_usage=self.max_kv_usage,
+                          quiet_s=self.quiet_s)

@@ -34,7 +34,7 @@ from kvflow.gateway.batch.config import BatchConfig
 from kvflow.gateway.batch.lines import encode_body, error_line, parse_file, response_line
 from kvflow.gateway.batch.states import BatchRecord, Status
 from kvflow.gateway.batch.store import AsyncStore, Claimed, NewLine, Result
-from kvflow.gateway.flow import InteractiveWatch, PodLoad, batch_room
+from kvflow.gateway.flow import InteractiveWatch, PodLoad, batch_room, next_cap
 from kvflow.gateway.pools import Pool
 
 log = logging.getLogger("kvflow.gateway.batch")
@@ -58,13 +58,15 @@ class BatchRunner:
         self.watches = {model: InteractiveWatch(self.limits.quiet_s) for model in gateway.pools}
         self.backlog: dict[str, deque[_Waiting]] = {model: deque() for model in gateway.pools}
         self.inflight: dict[str, int] = {model: 0 for model in gateway.pools}
+        self.caps: dict[str, tuple[int, object]] = {}
+        """Per pod: its batch cap and the scrape it was last brought up to date with."""
         self.results: list[Result] = []
-        self.lines_done = 0
+        self._more_to_claim = False
+        """The last claim filled what was asked: the database may hold more for this replica."""
         self._wake_control = asyncio.Event()
         self._wake_dispatch = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lines: set[asyncio.Task[None]] = set()
-        self._stopping = False
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -78,7 +80,6 @@ class BatchRunner:
 
     async def stop(self) -> None:
         """Stop feeding; results already in hand are written, running lines go back for later."""
-        self._stopping = True
         for task in [*self._tasks, *self._lines]:
             task.cancel()
         for task in [*self._tasks, *self._lines]:
@@ -120,7 +121,8 @@ class BatchRunner:
         live: dict[str, str] = {}
         for rec in await self.store.run(store.active):
             if rec.status is Status.VALIDATING:
-                await self._validate(rec)
+                if await self._validate(rec):
+                    live[rec.id] = rec.endpoint  # its lines can be claimed right away
             elif rec.status is Status.IN_PROGRESS and now >= rec.expires_at:
                 self._drop(rec.id)
                 await self.store.run(store.expire, rec.id, int(now))
@@ -140,20 +142,23 @@ class BatchRunner:
                     and await self.store.run(store.to_finalizing, batch_id, int(now))):
                 await self._finalize(batch_id)
 
-    async def _validate(self, rec: BatchRecord) -> None:
+    async def _validate(self, rec: BatchRecord) -> bool:
+        """Read the batch's input file into lines; whether it is now in progress."""
         store = self.store.store
         now = self.clock()
         if not await self.store.run(store.lease_batch, rec.id, self.replica, now + self.config.lease_s, now):
-            return
+            return False
         try:
             data = await self.store.run(store.read_file, rec.owner, rec.input_file_id)
         except Exception as exc:  # deleted before the batch started
             await self.store.run(store.fail, rec.id, [{"code": "invalid_file", "message": str(exc), "line": None,
                                                        "param": "input_file_id"}], int(now))
-            return
+            return False
         lines = await asyncio.to_thread(_new_lines, rec.id, rec.endpoint, data)
-        if await self.store.run(store.start, rec.id, self.replica, lines, int(self.clock())):
+        started = await self.store.run(store.start, rec.id, self.replica, lines, int(self.clock()))
+        if started:
             log.info("batch %s: %d lines, in progress", rec.id, len(lines))
+        return started
 
     async def _finalize(self, batch_id: str) -> None:
         store = self.store.store
@@ -168,6 +173,7 @@ class BatchRunner:
         the batches that had no line left to claim (they may be done)."""
         store = self.store.store
         exhausted = []
+        self._more_to_claim = False
         for batch_id, endpoint in live.items():
             want = self._wanted()
             if want <= 0:
@@ -182,6 +188,8 @@ class BatchRunner:
                 self._wake_dispatch.set()
             if len(claimed) < want:
                 exhausted.append(batch_id)
+            else:
+                self._more_to_claim = True
         return exhausted
 
     def _holding(self, batch_id: str) -> bool:
@@ -224,7 +232,7 @@ class BatchRunner:
                 self._start(queue.popleft())
                 room -= 1
             held_back = held_back or bool(queue)
-        if sum(len(q) for q in self.backlog.values()) < self._low_water():
+        if self._more_to_claim and sum(len(q) for q in self.backlog.values()) < self._low_water():
             self._wake_control.set()
         return held_back
 
@@ -237,14 +245,24 @@ class BatchRunner:
         return batch_room(self._pod_loads(pool), self.inflight[pool.model], self.limits,
                           interactive=interactive, interactive_waiting=queue.waiting)
 
-    @staticmethod
-    def _pod_loads(pool: Pool) -> list[PodLoad]:
-        """The router's view of the pods that decode (a scripted router in tests has only endpoints)."""
+    def _pod_loads(self, pool: Pool) -> list[PodLoad]:
+        """The router's view of the pods that decode, with each pod's cap brought up to date with
+        its latest scrape. A router without a view (a scripted router in tests) gets pods that
+        run whatever they are sent."""
         datastore = getattr(pool.router, "datastore", None)
         if datastore is None:
-            return [PodLoad(0, 0.0) for ep in pool.router.endpoints if ep.role is not Role.PREFILL]
+            pods = [ep for ep in pool.router.endpoints if ep.role is not Role.PREFILL]
+            share = self.inflight[pool.model] // max(1, len(pods))
+            return [PodLoad(0, 0.0, in_flight=share, cap=self.limits.per_pod) for _ in pods]
         decoders, _ = datastore.by_role()
-        return [PodLoad(v.metrics.waiting, v.metrics.kv_usage, v.healthy) for v in decoders]
+        loads = []
+        for v in decoders:
+            cap, seen = self.caps.get(v.id, (self.limits.first_cap, None))
+            if v.metrics is not seen:  # a new scrape
+                cap = next_cap(cap, v.metrics.running, v.metrics.waiting, self.limits)
+                self.caps[v.id] = (cap, v.metrics)
+            loads.append(PodLoad(v.metrics.waiting, v.metrics.kv_usage, v.in_flight, cap, v.healthy))
+        return loads
 
     def _start(self, waiting: _Waiting) -> None:
         model = waiting.line.pool.model
@@ -285,8 +303,8 @@ class BatchRunner:
         while True:
             await asyncio.sleep(TICK)
             try:
-                if self.results and await self._flush():
-                    self._wake_control.set()  # a batch may be done
+                if self.results and await self._flush() and not self._more_to_claim:
+                    self._wake_control.set()  # nothing left to claim: a batch may be done
                 if time.monotonic() - renewed >= renew_every:
                     await self.store.run(self.store.store.renew, self.replica, self.clock() + self.config.lease_s)
                     renewed = time.monotonic()
@@ -298,12 +316,10 @@ class BatchRunner:
         if not results:
             return 0
         try:
-            kept = await self.store.run(self.store.store.record, self.replica, results)
+            return await self.store.run(self.store.store.record, self.replica, results)
         except BaseException:
             self.results[:0] = results  # not written: keep them for the next try
             raise
-        self.lines_done += kept
-        return kept
 
 
 def _request_id(claimed: Claimed) -> str:

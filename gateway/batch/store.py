@@ -34,7 +34,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from kvflow.errors import InvalidRequestError, NotFoundError
 from kvflow.gateway.batch.lines import LineError, error_line
-from kvflow.gateway.batch.states import STAMP, BatchRecord, FileRecord, Status, sources
+from kvflow.gateway.batch.states import BatchRecord, FileRecord, Status, sources
 
 PENDING, CLAIMED, DONE = 0, 1, 2
 DB_NAME = "batches.db"
@@ -438,4 +438,4 @@ class AsyncStore:
         self._thread.shutdown(wait=True)
 
 
-__all__ = ["AsyncStore", "Claimed", "NewLine", "Result", "Store", "new_id", "PENDING", "CLAIMED", "DONE", "STAMP"]
+__all__ = ["AsyncStore", "Claimed", "NewLine", "Result", "Store", "new_id", "PENDING", "CLAIMED", "DONE"]
