@@ -176,6 +176,8 @@ def closed_loop_result(proc: subprocess.Popen[str]) -> float:
 async def latency(url: str, trace: Trace) -> tuple[list[float], int]:
     """Client-measured TTFTs (ms) of a trace's streamed requests, and how many failed."""
     run = await loadgen.run(f"{url}/v1/completions", trace, model=MODEL)
+    for problem in loadgen.errors(run.results)[:3]:
+        print(f"  interactive request failed: {problem}", file=sys.stderr)
     return [r.ttft * 1000 for r in run.results if r.ok], sum(1 for r in run.results if not r.ok)
 
 

@@ -257,7 +257,7 @@ class BatchRunner:
         decoders, _ = datastore.by_role()
         loads = []
         for v in decoders:
-            cap, seen = self.caps.get(v.id, (self.limits.first_cap, None))
+            cap, seen = self.caps.get(v.id, (min(self.limits.first_cap, self.limits.per_pod), None))
             if v.metrics is not seen:  # a new scrape
                 cap = next_cap(cap, v.metrics.running, v.metrics.waiting, self.limits)
                 self.caps[v.id] = (cap, v.metrics)
