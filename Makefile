@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NIXL   := nixl-cu12==1.5.1 nixl==1.5.1
 ARGS   ?=
 
-.PHONY: up test install bench clean
+.PHONY: up test install bench clean image push
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,15 @@ up: $(STAMP)
 ## Run the test suite (conformance against real vLLM too with KVFLOW_REAL_VLLM=1).
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
+
+## Build the container image (localhost/kvflow:dev, and -nixl) with buildah from a local Debian
+## base; export build/kvflow-image.oci.tar. Installs buildah and mmdebstrap if missing.
+image:
+	scripts/image.sh build
+
+## Push the built image: make push IMAGE=ghcr.io/you/kvflow:0.1.0
+push:
+	scripts/image.sh push $(IMAGE)
 
 bench: $(STAMP)
 	$(BIN)/kvflow bench all

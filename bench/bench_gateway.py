@@ -1,15 +1,25 @@
-"""Gateway overhead: direct to the pods vs kvflow gateway vs sglang-router vs vllm-router.
+"""Gateway overhead: direct to the pods vs kvflow gateway vs sglang-router vs vllm-router, and
+(``--layers``) the kvflow gateway on other HTTP servers and clients.
 
 Everything runs on this machine in one go, against the same simulated pods (``--profile fast``,
 so the pods are not the bottleneck): ``wrk`` sends small non-streamed completions, first on one
-connection (added latency), then on 64 (throughput). ``kvflow-2w`` is the gateway with
-``--workers 2`` (two processes on one port, as the Rust peers run two worker threads here).
-The routers use round-robin; the kvflow
-gateway runs its router in-process with the ``round-robin`` profile, health scrapes once a second
-instead of every 50 ms (round-robin reads no metrics), no KV-event subscription and no access log
-(the peers log at warn). The CPU each router process used per request is read from /proc.
+connection (added latency), then on 64 (throughput). The CPU each router process used per
+request is read from /proc. Then every target gets the attack suite of ``edge_attacks.py``
+(oversized URL and headers, slowloris, pipelining, CL+TE smuggling, deep JSON, bad UTF-8).
 
-    python bench/bench_gateway.py                   # ~60 s: 2 interleaved rounds, the table shows medians
+* ``kvflow`` (the headline) is the gateway as users get it: ``kvflow gateway --model M
+  --endpoint ...`` and nothing else (the ``default`` profile, default scrapes and KV events,
+  access log on at the default log level);
+* ``kvflow-tuned`` is tuned for this benchmark: ``round-robin``, health scrapes once a second
+  (round-robin reads no metrics), no KV-event subscription, no access log (the peers log at warn);
+  ``kvflow-tuned-2w`` the same with ``--workers 2`` (as the Rust peers run two worker threads);
+* the peers use round-robin;
+* ``--layers`` adds the tuned gateway on uvicorn (ASGI) and granian (RSGI) instead of kvflow's
+  server, and with aiohttp or pyreqwest instead of kvflow's upstream client
+  (``gateway_layers.py``): how the HTTP layer was chosen (docs/gateway.md).
+
+    python bench/bench_gateway.py                   # ~90 s: 2 interleaved rounds, the table shows medians
+    python bench/bench_gateway.py --layers          # + the HTTP-layer comparison
     python bench/bench_gateway.py --only kvflow     # one target
 
 The peers are installed on first use into their own venv, ``.kvflow/peers/venv`` (gitignored).
@@ -19,6 +29,7 @@ Needs ``wrk`` (Debian: ``apt-get install wrk``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -33,6 +44,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvflow.procs import ProcessGroup, kvflow_argv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from edge_attacks import run_attacks  # noqa: E402 - a sibling module of this script
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".kvflow" / "peers" / "venv"
@@ -73,6 +87,7 @@ class Row:
     p50_c64_ms: float
     cpu_us_per_req: float | None
     errors: int
+    attacks: dict[str, bool] | None = None
 
 
 def ensure_peers() -> Path:
@@ -157,18 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--seconds", type=float, default=3.0, help="throughput run per target and round")
     p.add_argument("--latency-seconds", type=float, default=2.0, help="one-connection run per target and round")
-    p.add_argument("--only", nargs="*", default=None, help="targets: direct kvflow kvflow-2w sglang-router vllm-router")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="targets: direct kvflow kvflow-tuned kvflow-tuned-2w sglang-router vllm-router "
+                        "(and with --layers: uvicorn+own granian+own own+aiohttp own+pyreqwest)")
+    p.add_argument("--layers", action="store_true", help="also the gateway on other HTTP servers and clients")
+    p.add_argument("--no-attacks", action="store_true", help="skip the attack suite")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for kvflow gateway")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the table shows medians")
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         print("bench_gateway needs wrk (apt-get install wrk)", file=sys.stderr)
         return 2
-    wanted = args.only or ["direct", "kvflow", "kvflow-2w", "sglang-router", "vllm-router"]
+    wanted = args.only or ["direct", "kvflow", "kvflow-tuned", "kvflow-tuned-2w", "sglang-router", "vllm-router",
+                           *(LAYERS if args.layers else [])]
     peers = ensure_peers() if {"sglang-router", "vllm-router"} & set(wanted) else None
     pods = [f"127.0.0.{i + 2}:{free_port(f'127.0.0.{i + 2}')}" for i in range(args.pods)]
     urls = [f"http://{h}" for h in pods]
-    ports = {name: free_port("127.0.0.1") for name in ("kvflow", "kvflow-2w", "sglang-router", "vllm-router", "p1", "p2")}
+    ports = {name: free_port("127.0.0.1") for name in ("kvflow", "kvflow-tuned", "kvflow-tuned-2w", "sglang-router",
+                                                       "vllm-router", "p1", "p2", *LAYERS)}
     with ProcessGroup(ROOT / ".kvflow" / "bench-gateway-logs") as group:
         for i, pod in enumerate(pods):
             host, port = pod.rsplit(":", 1)
@@ -181,16 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         router_config = group.log_dir / "router.json"
         router_config.write_text(json.dumps({"scrapeIntervalSeconds": 1.0, "staleAfterSeconds": 5.0,
                                              "kvEvents": {"enabled": False}}))
+        endpoints = [a for pod in pods for a in ("--endpoint", pod)]
+        tuned = ["--profile", "round-robin", "--router-config", str(router_config), "--no-access-log",
+                 "--log-level", "WARNING", *args.gateway_arg]
+
+        def gateway(name: str, *extra: str) -> list[str]:
+            return ["gateway", "--host", "127.0.0.1", "--port", str(ports[name]), "--model", MODEL, *endpoints, *extra]
+
         routers = {
-            "kvflow": (kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(ports["kvflow"]), "--model", MODEL,
-                                   *[a for pod in pods for a in ("--endpoint", pod)],
-                                   "--profile", "round-robin", "--router-config", str(router_config),
-                                   "--no-access-log", "--log-level", "WARNING", *args.gateway_arg), ports["kvflow"]),
-            "kvflow-2w": (kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(ports["kvflow-2w"]),
-                                      "--model", MODEL, *[a for pod in pods for a in ("--endpoint", pod)],
-                                      "--profile", "round-robin", "--router-config", str(router_config),
-                                      "--no-access-log", "--log-level", "WARNING", "--workers", "2",
-                                      *args.gateway_arg), ports["kvflow-2w"]),
+            "kvflow": (kvflow_argv(*gateway("kvflow", *args.gateway_arg)), ports["kvflow"]),  # as users get it
+            "kvflow-tuned": (kvflow_argv(*gateway("kvflow-tuned", *tuned)), ports["kvflow-tuned"]),
+            "kvflow-tuned-2w": (kvflow_argv(*gateway("kvflow-tuned-2w", *tuned, "--workers", "2")),
+                                ports["kvflow-tuned-2w"]),
+            **{layer: ([sys.executable, str(ROOT / "bench" / "gateway_layers.py"), "--server", layer.split("+")[0],
+                        "--client", layer.split("+")[1], *gateway(layer, *tuned)[1:]], ports[layer])
+               for layer in LAYERS},
             "sglang-router": ([str(peers / "smg"), "launch", "--host", "127.0.0.1", "--port", str(ports["sglang-router"]),
                                "--worker-urls", *urls, "--policy", "round_robin", "--log-level", "warn",
                                "--prometheus-port", str(ports["p1"]), "--max-concurrent-requests", "-1"],
@@ -217,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(measure(name, *targets[name], args, warm=round_ == 0))
                 print(runs[name][-1], file=sys.stderr)
         rows = [median_row(name, runs[name]) for name in wanted]
+        if not args.no_attacks:
+            for row in rows:
+                url = targets[row.target][0]
+                host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+                row.attacks = asyncio.run(run_attacks(host, int(port), MODEL))
+                print(row.target, row.attacks, file=sys.stderr)
     print_table(rows)
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
@@ -234,16 +266,25 @@ def median_row(name: str, runs: list[Row]) -> Row:
                med(cpus) if cpus else None, sum(r.errors for r in runs))
 
 
+LAYERS = ["uvicorn+own", "granian+own", "own+aiohttp", "own+pyreqwest"]
+"""server+client: the tuned gateway on another HTTP layer (kvflow-tuned is own+own)."""
+
+
 def print_table(rows: list[Row]) -> None:
     direct = next((r for r in rows if r.target == "direct"), None)
     print(f"| target | p50 1 conn (ms) | added p50 (ms) | p99 1 conn (ms) | req/s {64} conns | p50 64 conns (ms) "
-          "| router CPU µs/req | errors |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| router CPU µs/req | errors | attacks passed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         added = f"{r.p50_c1_ms - direct.p50_c1_ms:+.3f}" if direct and r is not direct else "–"
         cpu = f"{r.cpu_us_per_req:.0f}" if r.cpu_us_per_req is not None else "–"
+        attacks = "–"
+        if r.attacks is not None:
+            failed = [name for name, ok in r.attacks.items() if not ok]
+            attacks = f"{len(r.attacks) - len(failed)}/{len(r.attacks)}" + (f" (fails {', '.join(failed)})"
+                                                                              if failed else "")
         print(f"| {r.target} | {r.p50_c1_ms:.3f} | {added} | {r.p99_c1_ms:.3f} | {r.rps_c64:.0f} | "
-              f"{r.p50_c64_ms:.2f} | {cpu} | {r.errors} |")
+              f"{r.p50_c64_ms:.2f} | {cpu} | {r.errors} | {attacks} |")
 
 
 if __name__ == "__main__":

@@ -1,49 +1,80 @@
-"""Decision cost: one scheduling decision for an 8k-token prompt, as endpoints and index grow.
+"""Router cost: a scheduling decision as endpoints and the index grow, per-request cost, index memory.
 
-Builds an in-process Router (no I/O) with N endpoints and a precise prefix index holding B
-blocks (random blocks spread over the endpoints, plus the prompt's own chain cached fully on
-some endpoints and half on others), then times ``Router.schedule`` for the default profile
-(filters, precise prefix 2 : KV cache 1 : queue 1, LoRA and session affinity, max-score).
+**Decision cost** (the headline table). An in-process Router (no I/O) with the default config
+and profile, as users get them, N endpoints that all publish KV events, and a precise prefix
+index of B blocks (random blocks spread over the endpoints, plus the prompt's own chain cached
+fully on 8 endpoints and half on 8 others). Each sample schedules an 8k-token prompt:
+``decide cold`` with nothing memoised (a fresh hash memo: all 512 blocks SHA-hashed vLLM's
+way during the walk), ``decide warm`` with the prompt's hashes memoised (a shared system
+prompt, or the P/D prefill run). ``plain hash`` is the peer: the 512 hashes the plain way
+(``pickle.dumps`` + SHA-256 per block, as vLLM computes them); ``chain`` the same hashes by
+``kvflow.hashing.chain_hashes`` given the tokens as int64 (as the router has them: the block
+bytes laid out at once); ``hash cold`` the router's
+memo computing them (fingerprints, external ints and memo entries included); ``walk`` the
+precise index's lookup alone over computed hashes. Times are the thread's CPU time
+(``time.thread_time``), best / median, so other processes on a shared machine do not count.
 
-Columns: ``hash cold`` hashes all 512 blocks with nothing memoised (sha256 + pickle, as vLLM);
-``decide cold`` is a whole decision for a prompt never seen (its hashes computed in the walk);
-``decide warm`` is a decision whose block hashes are memoised (a shared system prompt, or the
-second profile run of a P/D decision); ``walk`` is the prefix-index lookup alone. Times are the
-thread's CPU time (``time.thread_time``), so other processes on a shared machine do not count.
+**Per-request cost**: ``Router.schedule`` + ``request_started`` + ``request_finished`` per
+built-in profile, with 4 and 64 endpoints (scraped metrics set, ``--window`` requests in
+flight, 256-token prompts from 64 shared prefixes, so hashes are memoised as in steady state).
 
-A second table is the per-request cost the gateway pays in-process: ``Router.schedule`` +
-``request_started`` + ``request_finished`` for each built-in profile, with 4 and 64 endpoints
-(scraped metrics set, ``--window`` requests kept in flight as under concurrent clients,
-256-token prompts drawn from 64 shared prefixes, so hashes are memoised as in steady state).
+**Index memory**: bytes per (block, endpoint) entry of the precise index filled as KV events
+fill it, 1.2 M entries from one pod and 1 M over 1,000 pods: the index's own arrays
+(``nbytes``) and the process's RSS growth (after ``malloc_trim``, so freed heap the allocator
+kept does not count; untrimmed beside it), beside a dict of sets (the structure the index
+replaced) filled the same way, as the peer.
 
-    .venv/bin/python bench/bench_router.py [--tokens 8192] [--repeat 200] [--table decision|request|both]
+A PNG under ``bench/out/`` plots decision CPU against endpoints and index size, and bytes
+per entry.
+
+    .venv/bin/python bench/bench_router.py [--tokens 8192] [--repeat 100] [--table decision|request|memory|all]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+from kvflow.blockbytes import as_int64
+from kvflow.endpoints import Endpoint
+from kvflow.hashing import chain_hashes, hash_fn, hash_request_tokens, none_hash
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.hashcache import BlockHashCache
-from kvflow.endpoints import Endpoint
+from kvflow.router.prefix_index import PrefixIndex
 
 PROFILES = ("round-robin", "least-load", "prefix-approx", "prefix-precise", "default")
 GRID = [(4, 10_000), (64, 10_000), (64, 100_000), (64, 1_000_000), (256, 1_000_000), (1000, 1_000_000)]
+TARGETS = {64: 1000.0, 1000: 2000.0}
+"""Cold-decision CPU budgets (µs) by endpoint count (issue 10)."""
+OUT = Path(__file__).resolve().parent / "out"
 
 
-def build(endpoints: int, blocks: int, tokens: list[int]) -> Router:
-    eps = [Endpoint(f"10.{i // 250}.{i % 250}.1", 8000) for i in range(endpoints)]
-    router = Router(load_config({"kvEvents": {"enabled": False}}), eps, profile="default")
+def endpoints(n: int) -> list[Endpoint]:
+    return [Endpoint(f"10.{i // 250}.{i % 250}.1", 8000) for i in range(n)]
+
+
+def build(n_endpoints: int, blocks: int, tokens: list[int]) -> Router:
+    """The default config and profile; every endpoint has published KV events."""
+    eps = endpoints(n_endpoints)
+    router = Router(load_config({}), eps)
+    router.event_sources.update(ep.id for ep in eps)
     rng = random.Random(0)
     chain = BlockHashCache(16).for_request(tokens).all()
     ids = [ep.id for ep in eps]
-    per = max(1, blocks // endpoints)
+    per = max(1, blocks // n_endpoints)
     for eid in ids:
-        router.precise.add(eid, (rng.getrandbits(64) for _ in range(per)))
+        router.precise.add(eid, [rng.getrandbits(64) for _ in range(per)])
     for eid in ids[:8]:
         router.precise.add(eid, chain)
     for eid in ids[8:16]:
@@ -51,38 +82,75 @@ def build(endpoints: int, blocks: int, tokens: list[int]) -> Router:
     return router
 
 
+def plain_hashes(tokens: list[int]) -> list[bytes]:
+    """vLLM's own way: one ``pickle.dumps`` and one SHA-256 per block."""
+    fn, parent, out = hash_fn("sha256"), none_hash("0"), []
+    for i in range(len(tokens) // 16):
+        parent = fn((parent, tuple(tokens[i * 16 : (i + 1) * 16]), None))
+        out.append(parent)
+    return out
+
+
 def micros(samples: list[float]) -> str:
     """Best and median: on a shared machine the best is the uncontended cost."""
     return f"{min(samples) * 1e6:6.0f} / {statistics.median(samples) * 1e6:6.0f}"
 
 
-def bench(endpoints: int, blocks: int, n_tokens: int, repeat: int) -> list[str]:
+@dataclass
+class DecisionRow:
+    endpoints: int
+    blocks: int
+    plain: list[float]
+    chain: list[float]
+    hash_cold: list[float]
+    cold: list[float]
+    warm: list[float]
+    walk: list[float]
+
+    def line(self) -> str:
+        target = TARGETS.get(self.endpoints)
+        verdict = "" if target is None else f"  {'met' if min(self.cold) * 1e6 <= target else 'MISSED'} (<= {target:.0f})"
+        cells = (micros(s) for s in (self.plain, self.chain, self.hash_cold, self.cold, self.warm, self.walk))
+        return f"{self.endpoints:>9} {self.blocks:>9} " + " ".join(f"{c:>15}" for c in cells) + verdict
+
+
+def decision(n_endpoints: int, blocks: int, n_tokens: int, repeat: int) -> DecisionRow:
     rng = random.Random(1)
     tokens = [rng.randrange(32000) for _ in range(n_tokens)]
-    router = build(endpoints, blocks, tokens)
-    hash_cold, cold, warm, walk = [], [], [], []
+    router = build(n_endpoints, blocks, tokens)
+    row = DecisionRow(n_endpoints, len(router.precise), [], [], [], [], [], [])
+    values = as_int64(tokens)  # the router converts a prompt once, for its memo and the layout
+    assert [h for h in BlockHashCache(16).for_request(tokens).all()] == [
+        int.from_bytes(h[-8:], "big") for h in hash_request_tokens(tokens, 16)
+    ]
     for i in range(repeat):
+        if i < max(5, repeat // 10):
+            t = time.thread_time()
+            plain_hashes(tokens)
+            row.plain.append(time.thread_time() - t)
+            t = time.thread_time()
+            list(chain_hashes(tokens, 16, none_hash("0"), values=values))
+            row.chain.append(time.thread_time() - t)
         t = time.thread_time()
         BlockHashCache(16).for_request(tokens).all()
-        hash_cold.append(time.thread_time() - t)
+        row.hash_cold.append(time.thread_time() - t)
         router.hash_cache = BlockHashCache(16)  # nothing memoised
         t = time.thread_time()
         router.schedule(SchedulingRequest(f"c{i}", "m", tokens))
-        cold.append(time.thread_time() - t)
+        row.cold.append(time.thread_time() - t)
         t = time.thread_time()
-        router.schedule(SchedulingRequest(f"w{i}", "m", tokens))  # memo now holds the prompt
-        warm.append(time.thread_time() - t)
-        hashes = router.hash_cache.for_request(tokens)
-        hashes.all()
+        router.schedule(SchedulingRequest(f"w{i}", "m", tokens))  # the memo now holds the prompt
+        row.warm.append(time.thread_time() - t)
+        hashes = router.hash_cache.for_request(tokens).all()
         t = time.thread_time()
         router.precise.match(hashes)
-        walk.append(time.thread_time() - t)
-    return [f"{endpoints:>9} {len(router.precise):>9} {micros(hash_cold)} {micros(cold)} {micros(warm)} {micros(walk)}"]
+        row.walk.append(time.thread_time() - t)
+    return row
 
 
-def per_request(profile: str, endpoints: int, *, requests: int, window: int, batches: int) -> list[float]:
+def per_request(profile: str, n_endpoints: int, *, requests: int, window: int, batches: int) -> list[float]:
     """CPU microseconds per request (schedule + started + finished), one sample per batch."""
-    eps = [Endpoint(f"10.{i // 250}.{i % 250}.1", 8000) for i in range(endpoints)]
+    eps = endpoints(n_endpoints)
     router = Router(load_config({"kvEvents": {"enabled": False}}), eps, profile=profile)
     rng = random.Random(2)
     for ep in eps:
@@ -121,29 +189,170 @@ def request_table(requests: int, window: int, batches: int) -> None:
         print(f"{profile:<15} {cells[0]:>15} {cells[1]:>15}", flush=True)
 
 
+# -- index memory ------------------------------------------------------------------------------
+
+
+def rss_bytes(*, trim: bool = False) -> int:
+    """Resident bytes; ``trim``: first hand freed heap memory back to the OS (glibc's
+    ``malloc_trim``), so growth counts what is live, not what the allocator keeps around."""
+    gc.collect()
+    if trim:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class DictOfSets:
+    """The structure the precise index replaced: hash -> holders, endpoint -> hashes."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, set[str]] = {}
+        self.blocks: dict[str, set[int]] = {}
+
+    def add(self, endpoint: str, hashes: list[int]) -> None:
+        mine = self.blocks.setdefault(endpoint, set())
+        for h in hashes:
+            mine.add(h)
+            self.holders.setdefault(h, set()).add(endpoint)
+
+
+@dataclass
+class MemoryRow:
+    layout: str
+    entries: int
+    structure: str
+    nbytes: int | None
+    rss: int
+    rss_untrimmed: int
+    fill_seconds: float
+
+    def line(self) -> str:
+        own = "-" if self.nbytes is None else f"{self.nbytes / self.entries:.1f}"
+        return (
+            f"{self.layout:<22} {self.structure:<14} {self.entries:>9} {own:>12} {self.rss / self.entries:>10.1f}"
+            f" {self.rss_untrimmed / self.entries:>10.1f} {self.fill_seconds * 1e6 / self.entries:>10.2f}"
+        )
+
+
+def memory(pods: int, entries: int, structure: str) -> MemoryRow:
+    """Fill an index as KV events do (batches of up to 64 blocks per pod) and weigh it."""
+    rng = random.Random(3)
+    per = entries // pods
+    before = rss_bytes(trim=True)
+    index: PrefixIndex | DictOfSets = PrefixIndex() if structure == "kvflow" else DictOfSets()
+    t = time.process_time()
+    for p in range(pods):
+        for start in range(0, per, 64):
+            index.add(f"10.0.{p // 250}.{p % 250}:8000", [rng.getrandbits(64) for _ in range(min(64, per - start))])
+    seconds = time.process_time() - t
+    untrimmed = rss_bytes() - before
+    grown = rss_bytes(trim=True) - before
+    own = index.nbytes() if isinstance(index, PrefixIndex) else None
+    layout = f"{pods} pod{'s' if pods > 1 else ''} x {per:,}"
+    del index
+    gc.collect()
+    return MemoryRow(layout, pods * per, structure, own, grown, untrimmed, seconds)
+
+
+def memory_table(scale: float) -> list[MemoryRow]:
+    print(
+        "\nprecise index memory, bytes per (block, endpoint) entry (RSS: growth of a fresh process, after"
+        " malloc_trim / as left by the allocator); fill: CPU us per entry stored"
+    )
+    header = f"{'own arrays':>12} {'RSS':>10} {'untrimmed':>10} {'fill us':>10}"
+    print(f"{'entries':<22} {'structure':<14} {'count':>9} {header}")
+    rows = []
+    for pods, entries in ((1, 1_200_000), (1000, 1_000_000)):
+        for structure in ("kvflow", "dict of sets"):
+            # A fresh process each: RSS growth then counts this index alone.
+            cmd = [sys.executable, __file__, "--memory-one", f"{pods}:{int(entries * scale)}:{structure}"]
+            row = MemoryRow(**json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
+            rows.append(row)
+            print(row.line(), flush=True)
+    return rows
+
+
+# -- the plot --------------------------------------------------------------------------------
+
+
+def plot(rows: list[DecisionRow], memory_rows: list[MemoryRow], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"\n(no plot: matplotlib is not installed; pip install -e '.[bench]' for {path})")
+        return
+    fig, axes = plt.subplots(1, 2 if memory_rows else 1, figsize=(12 if memory_rows else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{r.endpoints} ep\n{r.blocks / 1e6:.2g}M blk" for r in rows]
+    x = range(len(rows))
+    curves = (("decide cold", "cold"), ("decide warm", "warm"), ("hash cold", "hash_cold"), ("plain hash", "plain"), ("walk", "walk"))
+    for name, key in curves:
+        ax.plot(x, [min(getattr(r, key)) * 1e6 for r in rows], marker="o", label=name)
+    for n, budget in TARGETS.items():
+        if any(r.endpoints == n for r in rows):
+            ax.axhline(budget, linestyle=":", color="grey")
+            ax.annotate(f"target, {n} endpoints", (0, budget), fontsize=8, color="grey")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("CPU µs per decision (best)")
+    ax.set_title("8k-token prompt, default profile")
+    ax.legend(fontsize=8)
+    if memory_rows:
+        ax = axes[0][1]
+        names = [f"{m.layout}\n{m.structure}" for m in memory_rows]
+        ax.bar(range(len(memory_rows)), [m.rss / m.entries for m in memory_rows], color="tab:blue", label="RSS")
+        ax.axhline(64, linestyle=":", color="grey")
+        ax.set_xticks(range(len(memory_rows)), names, fontsize=7)
+        ax.set_ylabel("bytes per (block, endpoint) entry")
+        ax.set_title("precise index memory (target <= 64)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--repeat", type=int, default=100)
+    p.add_argument("--repeat", type=int, default=60)
     p.add_argument("--grid", default=None, help="e.g. 64:100000,1000:1000000")
-    p.add_argument("--table", choices=("decision", "request", "both"), default="both")
+    p.add_argument("--table", choices=("decision", "request", "memory", "all"), default="all")
     p.add_argument("--requests", type=int, default=2000, help="requests per batch (request table)")
     p.add_argument("--batches", type=int, default=7)
     p.add_argument("--window", type=int, default=32, help="requests kept in flight (request table)")
+    p.add_argument("--memory-scale", type=float, default=1.0, help="shrink the memory table's entry counts")
+    p.add_argument("--memory-one", help=argparse.SUPPRESS)  # PODS:ENTRIES:STRUCTURE, in a child process
     args = p.parse_args(argv)
-    if args.table in ("request", "both"):
-        request_table(args.requests, args.window, args.batches)
-    if args.table == "request":
+    if args.memory_one:
+        pods, entries, structure = args.memory_one.split(":")
+        print(json.dumps(dataclasses.asdict(memory(int(pods), int(entries), structure))))
         return 0
-    grid = GRID if not args.grid else [tuple(map(int, x.split(":"))) for x in args.grid.split(",")]
-    print(
-        f"decision cost, {args.tokens}-token prompt ({args.tokens // 16} blocks), default profile;"
-        " CPU microseconds, best / median"
-    )
-    print(f"{'endpoints':>9} {'blocks':>9} {'hash cold':>15} {'decide cold':>15} {'decide warm':>15} {'walk':>15}")
-    for endpoints, blocks in grid:
-        for line in bench(endpoints, blocks, args.tokens, args.repeat):
-            print(line, flush=True)
+    rows: list[DecisionRow] = []
+    if args.table in ("decision", "all"):
+        grid = GRID if not args.grid else [tuple(map(int, x.split(":"))) for x in args.grid.split(",")]
+        print(
+            f"decision cost, {args.tokens}-token prompt ({args.tokens // 16} blocks), default config and profile;"
+            " CPU microseconds, best / median"
+        )
+        header = ("plain hash", "chain", "hash cold", "decide cold", "decide warm", "walk")
+        print(f"{'endpoints':>9} {'blocks':>9} " + " ".join(f"{h:>15}" for h in header))
+        for n_endpoints, blocks in grid:
+            rows.append(decision(n_endpoints, blocks, args.tokens, args.repeat))
+            print(rows[-1].line(), flush=True)
+        chain = statistics.median(min(r.chain) / min(r.plain) for r in rows)
+        cold = statistics.median(min(r.hash_cold) / min(r.plain) for r in rows)
+        print(
+            f"the chain takes {chain:.2f}x the plain way's CPU (pickle.dumps + SHA-256 per block); the router's"
+            f" cold hashing, with the memo's fingerprints and bookkeeping, {cold:.2f}x"
+        )
+    memory_rows = memory_table(args.memory_scale) if args.table in ("memory", "all") else []
+    if args.table in ("request", "all"):
+        request_table(args.requests, args.window, args.batches)
+    if rows:
+        plot(rows, memory_rows, OUT / "router_decision.png")
     return 0
 
 

@@ -7,8 +7,9 @@ decode pod's P/D sidecar when Envoy routes.
 
 Modules: ``app`` (routes, the one error/metrics/access-log edge), ``proxy`` (attempts, retries,
 stream pass-through), ``pd`` (the NixlConnector protocol), ``flow`` (queues, priorities, rate
-limits), ``auth``, ``metrics``, ``sidecar``, ``httpserver``/``http1`` (the HTTP/1.1 server and
-client of the data path), ``config``, ``cli``.
+limits), ``auth``, ``metrics``, ``sidecar`` (with ``allowlist``: the prefill pods it trusts),
+``body`` (client JSON and P/D fields at the trust boundary), ``httpserver``/``http1`` (the
+HTTP/1.1 server, with its limits and timeouts, and client of the data path), ``config``, ``cli``.
 """
 
 from __future__ import annotations

@@ -177,6 +177,9 @@ class Gateway:
         for pool in self.pools.values():  # gauges are read when scraped: nothing on the hot path
             pool.metrics.inflight.set(pool.gate.queue.inflight)
             pool.metrics.queued.set(pool.gate.queue.waiting)
+            refresh = getattr(pool.router, "refresh_gauges", None)  # the router's routable pods, in flight
+            if refresh is not None:
+                refresh()
         routers = [getattr(getattr(p.router, "metrics", None), "registry", None) for p in self.pools.values()]
         if self.http is not None:
             self.metrics.http_refusals = self.http.counts
@@ -194,9 +197,12 @@ class Gateway:
         validate(kind, body)
         if client_kv_params(body, self.config.client_kv_transfer_params):
             request.body = encode(body)  # forwarded without them
-        found = self.names.get(body["model"])
+        model = body.get("model")
+        if model is None and len(self.pools) == 1:
+            model = next(iter(self.pools))  # as vLLM answers with its one model when none is named
+        found = self.names.get(model)
         if found is None:
-            raise ModelNotFoundError(body["model"])
+            raise ModelNotFoundError(str(model))
         pool, lora = found
         ex.model = pool.model
         self.limiter.check(key.name)

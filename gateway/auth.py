@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from kvflow.errors import AuthenticationError
-from kvflow.gateway.config import check_allowable
+from kvflow.routing_headers import check_allowable
 from kvflow.gateway.flow import Rate
 
 

@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-batch", action="store_true", help="serve no Batch API (/v1/files, /v1/batches)")
     p.add_argument("--sidecar", action="store_true", help="run as a decode pod's P/D sidecar behind Envoy")
     p.add_argument("--upstream", metavar="HOST:PORT", help="sidecar: the local vLLM server")
+    p.add_argument("--allow-prefiller", action="append", default=[], metavar="ADDR|CIDR|DNS",
+                   help="sidecar: a prefill pod (or network, or DNS name) it may send prompts to")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -67,6 +69,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             idle=args.idle_timeout)
     _nested(data, "auth", keys_file=args.api_keys_file, secret=args.api_keys_secret)
     _nested(data, "batch", dir=args.batch_dir, enabled=False if args.no_batch else None)
+    if args.allow_prefiller:
+        _nested(data, "sidecar", prefillers=[*data.get("sidecar", {}).get("prefillers", []), *args.allow_prefiller])
     if args.endpoint or args.prefill_endpoint or args.model:
         if not args.endpoint:
             raise ValueError("--model needs at least one --endpoint")

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvflow.endpoints import Endpoint, Role, parse_host_port
 from kvflow.gateway.batch.config import BatchConfig
-from kvflow.routing_headers import ALLOWABLE
+from kvflow.routing_headers import check_allowable
 
 
 class _Strict(BaseModel):
@@ -39,7 +39,8 @@ class PoolConfig(_Strict):
     router_config: str | dict[str, Any] | None = None
     """A router config file or mapping (kvflow.router.load_config); None: the router's defaults."""
     tokenizer: str | None = None
-    """A local Hugging Face tokenizer folder; None: kvflow's built-in tokenizer."""
+    """A local Hugging Face tokenizer folder, or "builtin"; None: the built-in one, except that a pool
+    following Kubernetes with precise prefix routing refuses to start without one (router/tokenizer_policy.py)."""
     loras: list[str] = Field(default_factory=list)
     """LoRA adapter names the pods serve (vLLM ``--lora-modules``): requests naming one go to
     this pool, with the adapter passed to the router (LoRA affinity)."""
@@ -127,6 +128,30 @@ class AuthConfig(_Strict):
         return bool(self.keys_file or self.secret)
 
 
+SIDECAR_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
+
+
+class SidecarConfig(_Strict):
+    """The decode pod's P/D sidecar (``kvflow gateway --sidecar``)."""
+
+    prefillers: list[str] = Field(default_factory=list)
+    """Prefill pods the sidecar may send a prompt to when ``x-prefiller-host-port`` names them:
+    addresses, ``HOST:PORT``, networks (CIDR) or DNS names re-resolved every 10 s (a headless
+    Service). Empty: the header is refused (400)."""
+    paths: list[str] = Field(default_factory=lambda: list(SIDECAR_PATHS))
+    """Paths passed to the local model server; others get a 404 (vLLM's admin and dev routes,
+    a simulator's fault routes). The router's scrapes and the kubelet's probes need /metrics
+    and /health."""
+
+    @field_validator("prefillers")
+    @classmethod
+    def _entries(cls, entries: list[str]) -> list[str]:
+        from kvflow.gateway.allowlist import PrefillerAllowList
+
+        PrefillerAllowList(entries)  # a ValueError names the bad entry
+        return entries
+
+
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, lt=65536)
@@ -146,6 +171,7 @@ class GatewayConfig(_Strict):
     allow_client_headers: list[str] = Field(default_factory=list)
     """kvflow routing headers every client may send (x-kvflow-profile, x-kvflow-priority);
     by default none, and an API key may allow them for itself (``allow_headers``)."""
+    sidecar: SidecarConfig = SidecarConfig()
     workers: int = Field(1, ge=1, le=64)
     """Processes sharing the port (SO_REUSEPORT); flow-control limits hold per worker."""
 
@@ -168,15 +194,6 @@ class GatewayConfig(_Strict):
         if dupes:
             raise ValueError(f"models served by more than one pool: {', '.join(dupes)}")
         return pools
-
-
-def check_allowable(names: list[str]) -> list[str]:
-    """Header names a client may be allowed to send: only kvflow's profile and priority headers."""
-    lowered = [n.lower() for n in names]
-    bad = sorted(set(lowered) - ALLOWABLE)
-    if bad:
-        raise ValueError(f"clients may only be allowed {', '.join(sorted(ALLOWABLE))}, not {', '.join(bad)}")
-    return lowered
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

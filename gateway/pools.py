@@ -49,14 +49,14 @@ class Pool:
 def build_router(config: PoolConfig) -> PoolRouter:
     """A kvflow.router.Router for the pool's static endpoints and profile."""
     from kvflow.router import Router, load_config
-    from kvflow.tokenizer import load_tokenizer
+    from kvflow.router.tokenizer_policy import choose_tokenizer
 
     source = config.router_config
     if source is None or isinstance(source, dict):  # the router's metrics name the pool by its model
         pool = {"name": config.model, "model": config.model, "loras": list(config.loras)}
         source = {**(source or {}), "pool": {**pool, **(source or {}).get("pool", {})}}
     router_config = load_config(source)
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = choose_tokenizer(router_config, config.tokenizer, who=f"kvflow gateway: pool {config.model}")
     router = Router(router_config, config.all_endpoints(), profile=config.profile, tokenizer=tokenizer)
     if router_config.max_prompt_tokens is None and config.max_model_len:
         router.max_prompt_tokens = config.max_model_len  # vLLM's own limit, known before a pod refuses

@@ -12,4 +12,9 @@ the components are subpackages whose code sits in the repository's top-level fol
 Components depend on the core, never the reverse.
 """
 
+# The one place for kvflow's version and image: pyproject reads the version from here, the
+# operator's default image is IMAGE, `make image` tags it, and a test holds the Helm chart
+# (appVersion, image.repository) and the Dockerfile's VERSION default to the same values.
 __version__ = "0.1.0"
+IMAGE_REPOSITORY = "ghcr.io/kvflow/kvflow"
+IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"

@@ -33,6 +33,9 @@ class Endpoint:
     """Served model names; empty means 'whatever the pod reports'."""
     name: str = ""
     """A pod name, where one is known (Kubernetes); KV-event topics carry it."""
+    revision: str = ""
+    """The pod's KV-cache revision (model, tokenizer, engine; the operator's
+    ``kvflow.io/revision`` label): a prefill pod pairs only with a decode pod of the same one."""
 
     @property
     def id(self) -> EndpointId:

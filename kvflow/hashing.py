@@ -14,6 +14,14 @@ tagged keys in this order: ``("lora", name, path)`` on every block of a LoRA req
 publish each hash in its external form: by default the last 8 bytes as a big-endian unsigned
 int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), else the raw 32 bytes.
 
+``chain_hashes`` is the one implementation of the chain: the simulator, the router's hash
+memo (``router/hashcache.py``) and ``hash_request_tokens`` all walk it. Given the tokens as
+int64 too (the router's memo has them), a run of blocks without extra keys is not serialised
+with ``pickle.dumps``/``cbor2.dumps`` block by block: those bytes have a fixed shape
+(``kvflow.blockbytes``), so every block's bytes are written in one call for the run and only
+the SHA-256 chain stays a loop — byte for byte the same (tests/core/test_blockbytes.py compares
+them with the libraries'), and a little faster (docs/router.md has the figures).
+
 The simulator and the router share this module, so a hash the router computes for a prompt
 equals the hash a pod publishes in its KV events for the same tokens; tests/golden holds
 events captured from a real vLLM 0.32.0 that pin this (tests/test_realvllm_golden.py).
@@ -23,11 +31,16 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
+from operator import index
 from typing import Any, Literal, NewType
 
 import cbor2
+import numpy as np
+
+from kvflow import blockbytes
 
 BlockHash = NewType("BlockHash", bytes)
 """The full 32-byte hash vLLM keeps internally."""
@@ -43,14 +56,13 @@ DEFAULT_ALGO: HashAlgo = "sha256"
 
 HashFn = Callable[[Any], bytes]
 
-
 _sha256 = hashlib.sha256
 _pickle_dumps = pickle.dumps
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 def sha256_pickle(obj: Any) -> bytes:
-    # Module-level aliases: an 8k-token prompt calls this 512 times per cold decision.
+    # Module-level aliases: the plain path calls this once per block.
     return _sha256(_pickle_dumps(obj, protocol=_PROTOCOL)).digest()
 
 
@@ -59,6 +71,12 @@ def sha256_cbor(obj: Any) -> bytes:
 
 
 _HASH_FNS: dict[str, HashFn] = {"sha256": sha256_pickle, "sha256_cbor": sha256_cbor}
+
+# The byte layouts chain_hashes writes without the serialiser. pickle's layout is protocol 5's;
+# should HIGHEST_PROTOCOL ever change, the fast path turns itself off rather than diverge.
+_LAYOUTS: dict[str, blockbytes.Layout] = {"sha256_cbor": blockbytes.CBOR}
+if _PROTOCOL == 5:
+    _LAYOUTS["sha256"] = blockbytes.PICKLE5
 
 
 def hash_fn(algo: str) -> HashFn:
@@ -80,8 +98,73 @@ def hash_block_tokens(
     token_ids: Sequence[int],
     extra_keys: tuple[Any, ...] | None = None,
 ) -> BlockHash:
+    """One block the plain way: vLLM's hash function over ``(parent, tuple(tokens), extra_keys)``.
+
+    Token ids are taken by integer value (``operator.index``), as vLLM holds them: a numpy
+    integer or a bool hashes as the int it stands for, a float is a TypeError.
+    """
     # BlockHash(...) is the identity at run time; calling it costs a tenth of the hash.
-    return fn((parent, tuple(token_ids), extra_keys))  # type: ignore[return-value]
+    return fn((parent, tuple(map(index, token_ids)), extra_keys))  # type: ignore[return-value]
+
+
+FAST_MIN_BLOCKS = 4
+"""Runs shorter than this are hashed the plain way: numpy's fixed cost exceeds the saving."""
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: BlockHash,
+    *,
+    algo: str = DEFAULT_ALGO,
+    start: int = 0,
+    stop: int | None = None,
+    extra_keys: tuple[Any, ...] | None = None,
+    first_extra_keys: tuple[Any, ...] | None = None,
+    values: np.ndarray | None = None,
+) -> Iterator[BlockHash]:
+    """vLLM's block-hash chain, lazily: the hash of block ``start`` (chained on ``parent``),
+    then of each following full block chained on the one before, up to ``stop`` (exclusive)
+    or the last full block.
+
+    ``extra_keys`` key every block; ``first_extra_keys``, when given, key block 0 instead (the
+    cache salt goes on block 0 only). A block is hashed when the iterator reaches it.
+
+    ``values`` is ``token_ids`` as int64, for a caller that has them anyway (the router's memo
+    fingerprints them): then the bytes of runs of blocks are laid out together
+    (``kvflow.blockbytes``) as the iterator reaches each run — the first block alone (a prefix
+    walk that finds nothing cached stops there), then 63, then 8 times more each time. Without
+    them every block is serialised the plain way: converting the tokens costs about what the
+    layout saves.
+    """
+    fn = hash_fn(algo)
+    n = len(token_ids) // block_size
+    stop = n if stop is None else min(stop, n)
+    first = extra_keys if first_extra_keys is None else first_extra_keys
+    i = start
+    if i == 0 and stop > 0 and first != extra_keys:
+        parent = hash_block_tokens(fn, parent, token_ids[:block_size], first)
+        yield parent
+        i = 1
+    layout = _LAYOUTS.get(algo) if extra_keys is None and values is not None else None
+    run = 1
+    while i < stop:
+        end = min(stop, i + run)
+        parts = None
+        if layout is not None and end - i >= FAST_MIN_BLOCKS:
+            a, b = i * block_size, end * block_size
+            parts = layout.blocks(token_ids[a:b], block_size, values[a:b])  # type: ignore[index]
+        if parts is None:  # a short run, extra keys, or tokens outside the layout: the plain way
+            for j in range(i, end):
+                parent = hash_block_tokens(fn, parent, token_ids[j * block_size : (j + 1) * block_size], extra_keys)
+                yield parent
+        else:
+            codes, opening, closing = parts.codes, parts.opening, parts.closing
+            for head, a, b in zip(parts.heads, parts.starts, parts.ends):
+                parent = _sha256(head + parent + opening + codes[a:b] + closing).digest()  # type: ignore[assignment]
+                yield parent
+        i = end
+        run = 63 if run == 1 else 8 * run
 
 
 def block_extra_keys(
@@ -119,25 +202,33 @@ def hash_request_tokens(
     """
     if extra_keys is not None and (lora is not None or cache_salt):
         raise ValueError("pass either extra_keys or lora/cache_salt, not both")
-    fn = hash_fn(algo)
-    parent = none_hash(seed, algo)
-    n_blocks = len(token_ids) // block_size
-    if max_blocks is not None:
-        n_blocks = min(n_blocks, max_blocks)
-    hashes: list[BlockHash] = []
-    first: tuple[Any, ...] | None
-    rest: tuple[Any, ...] | None
-    if extra_keys is not None:
-        first = rest = extra_keys
+    if extra_keys is None:
+        extra_keys, first = block_extra_keys(1, lora=lora), block_extra_keys(0, lora=lora, cache_salt=cache_salt)
     else:
-        first, rest = block_extra_keys(0, lora=lora, cache_salt=cache_salt), block_extra_keys(1, lora=lora)
-    for i in range(n_blocks):
-        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = fn((parent, block, rest if i else first))  # type: ignore[assignment]
-        hashes.append(parent)
-    return hashes
+        first = extra_keys
+    chain = chain_hashes(
+        token_ids,
+        block_size,
+        none_hash(seed, algo),
+        algo=algo,
+        stop=max_blocks,
+        extra_keys=extra_keys,
+        first_extra_keys=first,
+    )
+    return list(chain)
+
+
+def external_int(block_hash: bytes) -> int:
+    """The int form vLLM publishes by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the
+    digest's last 8 bytes, big-endian."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+unpack_external = struct.Struct(">24xQ").unpack
+"""``unpack_external(h)[0] == external_int(h)`` for a 32-byte ``h``, in one C call: the
+router converts every block it hashes, and a Python-level call costs twice the conversion."""
 
 
 def to_external(block_hash: BlockHash, *, as_int: bool = True) -> ExternalBlockHash:
-    """The form vLLM publishes in KV events: the last 8 bytes as a big-endian int by default."""
-    return int.from_bytes(block_hash[-8:], "big") if as_int else bytes(block_hash)
+    """The form vLLM publishes in KV events: ``external_int`` by default, else the raw bytes."""
+    return external_int(block_hash) if as_int else bytes(block_hash)

@@ -44,3 +44,13 @@ def strip_client_routing(headers: MutableMapping[str, str], allowed: Collection[
     for name in found:
         del headers[name]
     return found
+
+
+def check_allowable(names: Collection[str]) -> list[str]:
+    """Header names a client may be allowed to send (lower-cased): only kvflow's profile and
+    priority headers; a ValueError names the others."""
+    lowered = [n.lower() for n in names]
+    bad = sorted(set(lowered) - ALLOWABLE)
+    if bad:
+        raise ValueError(f"clients may only be allowed {', '.join(sorted(ALLOWABLE))}, not {', '.join(bad)}")
+    return lowered

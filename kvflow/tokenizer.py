@@ -1,4 +1,4 @@
-"""Deterministic tokenizers shared by the simulator and the router.
+"""Deterministic tokenizers shared by the simulator and the router, and vLLM's chat rendering.
 
 Prefix-cache affinity only works if the router turns a prompt into the same token ids as the
 model server. kvflow therefore has one place that loads a tokenizer:
@@ -7,6 +7,13 @@ model server. kvflow therefore has one place that loads a tokenizer:
   ``chat_template`` in ``tokenizer_config.json``), exactly what vLLM would load; or
 * the built-in ``BuiltinTokenizer``: no files, stable across processes and machines
   (pieces hashed with BLAKE2b, never Python's salted ``hash``).
+
+Chats are rendered as vLLM 0.32 renders them for a text model (``vllm/renderers/chat_utils.py``
+and ``hf.py``, then transformers' ``apply_chat_template``): message content flattened to text
+(parts joined by newlines, none as empty), ``developer`` turned into ``system`` when the template
+does not name it (all system messages then merged into the first), the template rendered with
+transformers' Jinja environment, ``continue_final_message`` cut after the last message's text,
+and the text tokenized without special tokens unless the request asks for them.
 """
 
 from __future__ import annotations
@@ -15,41 +22,131 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+import jinja2.ext
 import jinja2.sandbox
 
+from kvflow.errors import InvalidRequestError
+
 Message = Mapping[str, Any]
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""The ChatML layout, for tokenizers that ship no chat template."""
 
 
 class Tokenizer(Protocol):
     name: str
     eos_token_id: int
     vocab_size: int
+    max_chars_per_token: int
+    chat_template: str
+    special_tokens: Mapping[str, str]
+    """Template variables such as ``bos_token``, as transformers passes them."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str: ...
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]: ...
 
 
-def message_text(message: Message) -> str:
-    """The text of a chat message whose content is a string or a list of text parts."""
-    content = message.get("content") or ""
+# -- chat rendering (pure) ------------------------------------------------------------------------
+def message_text(content: Any) -> str:
+    """A message's content as a text model's template sees it (vLLM's "string" content format)."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+    texts = [p if isinstance(p, str) else p.get("text", "") for p in content
+             if isinstance(p, str) or (isinstance(p, Mapping) and p.get("type", "text") == "text")]
+    return "\n".join(texts)
 
 
-def chatml(messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
-    """The ChatML layout, for tokenizers that ship no chat template."""
-    text = "".join(f"<|im_start|>{m.get('role', 'user')}\n{message_text(m)}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+def conversation(messages: Sequence[Message], template: str) -> list[dict[str, Any]]:
+    """The messages vLLM hands the template: text content, ``developer`` as ``system`` if needed."""
+    conv: list[dict[str, Any]] = []
+    for m in messages:
+        msg = {"role": m["role"], "content": message_text(m.get("content"))}
+        for key in ("name", "tool_call_id", "tool_calls", "reasoning"):
+            if isinstance(m.get(key), (str, list)):
+                msg[key] = m[key]
+        conv.append(msg)
+    if any(m["role"] == "developer" for m in conv) and "'developer'" not in template \
+            and '"developer"' not in template:
+        conv = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conv]
+        conv = _merge_system_messages(conv)
+    return conv
 
 
+def _merge_system_messages(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    systems = [i for i, m in enumerate(conv) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return conv
+    merged = {"role": "system", "content": "\n\n".join(conv[i]["content"] for i in systems if conv[i]["content"])}
+    return [merged, *(m for m in conv if m["role"] != "system")]
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, extra: Mapping[str, Any] | None = None) -> str:
+    """The prompt text vLLM renders for a chat; a 400 (vLLM's message) when the template refuses."""
+    template = tokenizer.chat_template
+    conv = conversation(messages, template)
+    if not conv:
+        raise InvalidRequestError("Cannot apply chat template to an empty conversation. Provide at least one "
+                                  "message.")
+    if continue_final_message:
+        if add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message "
+                "when you want the model to continue the final message, and add_generation_prompt when you want "
+                "to add a header that will prompt it to start a new assistant message instead.")
+        final = conv[-1]["content"]
+        conv[-1] = {**conv[-1], "content": final + _CONTINUE_TAG}
+    variables = {**tokenizer.special_tokens, **(extra or {})}
+    try:
+        text = _compile(template).render(messages=conv, add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    if continue_final_message:  # transformers cuts the rendered chat after the final message's text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0 or final.strip() not in text:
+            raise InvalidRequestError("continue_final_message is set but the final message does not appear in the "
+                                      "chat after applying the chat template!")
+        text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+    return text
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    """transformers' chat-template environment: sandboxed, trimmed blocks, its helpers."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+# -- tokenizers ---------------------------------------------------------------------------------------
 _PIECE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
 _SPECIAL = ("<unk>", "<s>", "</s>")
 
@@ -64,6 +161,9 @@ class BuiltinTokenizer:
     name = "kvflow-builtin"
     bos_token_id = 1
     eos_token_id = 2
+    chat_template = CHATML
+    special_tokens: Mapping[str, str] = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    max_chars_per_token = 1 << 20  # pieces are unbounded words: no character bound applies
 
     def __init__(self, vocab_size: int = 32000) -> None:
         self.vocab_size = vocab_size
@@ -80,11 +180,12 @@ class BuiltinTokenizer:
         ids = [self._piece_id(p) for p in _PIECE.findall(text)]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return "".join(self._pieces.get(t, "") for t in token_ids if t >= len(_SPECIAL))
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        first = len(_SPECIAL) if skip_special_tokens else 0
+        return "".join(self._pieces.get(t, "") for t in token_ids if t >= first)
 
-    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
-        return chatml(messages, add_generation_prompt=add_generation_prompt)
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return [self._pieces.get(t, "") for t in token_ids]
 
 
 class HFTokenizer:
@@ -96,38 +197,24 @@ class HFTokenizer:
         folder = Path(folder)
         self.name = folder.name
         self._tok = _RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        vocab = self._tok.get_vocab()
         self.vocab_size = self._tok.get_vocab_size()
+        self.max_chars_per_token = max((len(t) for t in vocab), default=1)  # vLLM's bound for text length
         config = _read_json(folder / "tokenizer_config.json")
-        self._template_source = config.get("chat_template")
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        eos = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.chat_template = config.get("chat_template") or CHATML
+        self.special_tokens = {k: text for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                               if (text := _token_text(config.get(k)))}
+        eos = self._tok.token_to_id(self.special_tokens.get("eos_token", ""))
         self.eos_token_id = eos if eos is not None else 0
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
-        if not self._template_source:
-            return chatml(messages, add_generation_prompt=add_generation_prompt)
-        template = _compile_template(self._template_source)
-        return str(
-            template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        )
-
-
-@lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(source)
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -150,11 +237,24 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     return HFTokenizer(folder)
 
 
+def chat_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[int]:
+    """The prompt token ids vLLM computes for a chat request body (or a /tokenize chat body)."""
+    extra: dict[str, Any] = {}
+    if isinstance(body.get("chat_template_kwargs"), Mapping):
+        extra.update({k: v for k, v in body["chat_template_kwargs"].items() if k not in ("chat_template", "tokenize")})
+    if isinstance(body.get("documents"), list):
+        extra["documents"] = body["documents"]
+    if isinstance(body.get("tools"), list) and body["tools"]:
+        extra["tools"] = body["tools"]  # as vLLM hands them to the template (it may render them)
+    text = render_chat(tokenizer, body["messages"], add_generation_prompt=body.get("add_generation_prompt", True),
+                       continue_final_message=bool(body.get("continue_final_message")), extra=extra)
+    return tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+
+
 def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[int]:
-    """The token ids vLLM would compute for an OpenAI completions or chat request body."""
+    """The token ids vLLM would compute for an OpenAI request body (a prompt list: its first)."""
     if "messages" in body:
-        text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return chat_token_ids(tokenizer, body)
     prompt = body.get("prompt", "")
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], int):
@@ -162,4 +262,4 @@ def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[int]
         prompt = prompt[0] if prompt else ""
         if isinstance(prompt, list):
             return list(prompt)
-    return tokenizer.encode(str(prompt))
+    return tokenizer.encode(str(prompt), add_special_tokens=body.get("add_special_tokens", True) is not False)

@@ -9,31 +9,18 @@ from __future__ import annotations
 
 import json
 
-from kvflow.operator import names
+from kvflow.operator import names, volumes
 from kvflow.operator.spec import LLMService, PoolRole
-
-MODELS_DIR = "/models"
-
 
 def model_path(svc: LLMService) -> str:
     """Where the engine finds the model: a hub id, or a path inside a mounted volume."""
-    model = svc.spec.model
-    if model.scheme == "hf":
-        return model.location
-    if model.scheme == "pvc":
-        claim, _, sub = model.location.partition("/")
-        return f"{MODELS_DIR}/{claim}" + (f"/{sub}" if sub else "")
-    return f"{MODELS_DIR}/oci"
+    return volumes.source_path(svc.spec.model.source, oci_dir=f"{volumes.MODELS_DIR}/oci")
 
 
 def adapter_path(source: str) -> str:
-    scheme, location = source.split("://", 1)
-    if scheme == "hf":
-        return location
-    if scheme == "pvc":
-        claim, _, sub = location.partition("/")
-        return f"{MODELS_DIR}/{claim}" + (f"/{sub}" if sub else "")
-    return f"{MODELS_DIR}/adapters/{location.replace('/', '_').replace(':', '_')}"
+    if source.startswith("oci://"):
+        return volumes.adapter_dir(source)
+    return volumes.source_path(source, oci_dir="")
 
 
 def kv_events_endpoint(svc: LLMService) -> str:
@@ -72,6 +59,9 @@ def vllm_engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
     ]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
+    tokenizer = volumes.engine_tokenizer(svc)
+    if tokenizer:
+        args += ["--tokenizer", tokenizer]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
     if spec.model.lora_adapters:
@@ -100,6 +90,9 @@ def sim_engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
     ]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
+    tokenizer = volumes.engine_tokenizer(svc)
+    if tokenizer:
+        args += ["--tokenizer", tokenizer]
     if spec.model.lora_adapters:
         args += ["--enable-lora", "--lora-modules"]
         args += [f"{adapter.name}={adapter_path(adapter.source)}" for adapter in spec.model.lora_adapters]
@@ -118,19 +111,37 @@ def engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
 
 
 def routing_sidecar(svc: LLMService) -> tuple[list[str], list[str]]:
-    """llm-d's routing sidecar: runs the prefill step the picker chose, then the local decode."""
+    """llm-d's routing sidecar: runs the prefill step the picker chose, then the local decode.
+
+    It sends prompts only to this service's prefill pods: the names its headless Service resolves
+    to (a client's ``x-prefiller-host-port`` naming anything else is refused)."""
+    prefillers = f"{names.child_name(svc, 'prefill')}.{svc.namespace}.svc"
     return ["kvflow"], [
         "gateway", "--sidecar", "--upstream", f"127.0.0.1:{names.engine_port(svc, 'decode')}",
-        "--host", "0.0.0.0", "--port", str(svc.spec.engine.port),
+        "--host", "0.0.0.0", "--port", str(svc.spec.engine.port), "--allow-prefiller", prefillers,
     ]
+
+
+TLS_DIR = f"{names.CONFIG_DIR}/tls"
+CLIENT_CA_DIR = f"{names.CONFIG_DIR}/client-ca"
 
 
 def router(svc: LLMService) -> tuple[list[str], list[str]]:
-    return ["kvflow"], [
+    """The Inference Extension EPP's ports and flags (its chart's), plus kvflow's config file."""
+    tls = svc.spec.routing.tls
+    args = [
         "router", "--config", f"{names.CONFIG_DIR}/{names.ROUTER_CONFIG_FILE}",
-        "--host", "0.0.0.0", "--port", str(names.ROUTER_GRPC_PORT),
-        "--metrics-port", str(names.ROUTER_METRICS_PORT),
+        "--host", "0.0.0.0", "--grpc-port", str(names.ROUTER_GRPC_PORT),
+        "--grpc-health-port", str(names.ROUTER_HEALTH_PORT), "--metrics-port", str(names.ROUTER_METRICS_PORT),
+        "--tokenizer", volumes.tokenizer_storage(svc)[1],
     ]
+    if tls.mode == "Disabled":
+        args += ["--no-secure-serving"]
+    elif tls.mode == "Secret":
+        args += ["--cert-path", TLS_DIR]
+    if tls.client_ca_secret_name:
+        args += ["--client-ca", f"{CLIENT_CA_DIR}/ca.crt"]
+    return ["kvflow"], args
 
 
 def gateway(svc: LLMService) -> tuple[list[str], list[str]]:

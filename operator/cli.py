@@ -32,7 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--server", default=os.environ.get("KVFLOW_KUBE_SERVER"),
                      help="API server URL (development only; default: in-cluster or kubeconfig)")
     run.add_argument("--liveness", default=os.environ.get("KVFLOW_LIVENESS", "http://0.0.0.0:8080/healthz"),
-                     help="liveness endpoint URL served by kopf")
+                     help="liveness endpoint URL (every replica serves it, a standby too; '' for none)")
+    run.add_argument("--leader-election", action=argparse.BooleanOptionalAction,
+                     default=os.environ.get("KVFLOW_LEADER_ELECTION", "true") != "false",
+                     help="reconcile only while holding a Lease (default: on; run 2+ replicas for HA)")
+    run.add_argument("--lease-name", default=os.environ.get("KVFLOW_LEASE_NAME", "kvflow-operator"),
+                     help="the coordination.k8s.io Lease the replicas compete for")
+    run.add_argument("--lease-namespace", default=os.environ.get("KVFLOW_LEASE_NAMESPACE"),
+                     help="its namespace (default: the pod's, from POD_NAMESPACE or the service account)")
     run.add_argument("--verbose", "-v", action="store_true")
     return parser
 
@@ -55,21 +62,16 @@ def render_command(path: str, images: names.Images) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    import kopf
-
-    from kvflow.operator.handlers import register
-    from kvflow.operator.reconcile import OperatorConfig, Runtime
+    from kvflow.operator.reconcile import OperatorConfig
+    from kvflow.operator.run import RunOptions, run
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = OperatorConfig(interval=args.interval, images=_images(None, None), server=args.server)
-    registry = kopf.OperatorRegistry()
-    register(registry, Runtime(config=config))
-    asyncio.run(kopf.operator(
-        registry=registry, standalone=True, clusterwide=not args.namespace,
-        namespaces=args.namespace, liveness_endpoint=args.liveness or None,
-    ))
-    return 0
+    return asyncio.run(run(RunOptions(
+        config=config, namespaces=tuple(args.namespace), liveness=args.liveness or None,
+        leader_election=args.leader_election, lease_name=args.lease_name,
+        lease_namespace=args.lease_namespace)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

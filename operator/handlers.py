@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from kvflow.operator.kube import KubeClient
+from kvflow.operator.kube import KubeClient, connection_info
 from kvflow.operator.reconcile import Outcome, Runtime, reconcile
 from kvflow.operator.spec import GROUP, PLURAL, VERSION
 
@@ -55,18 +55,16 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         # finalizer; check every 2 s (default 60 s) so deletes are not held up.
         settings.background.cancellation_polling = 2.0
         settings.posting.level = logging.WARNING  # our own Events say what matters
-        settings.peering.standalone = True  # one replica (Recreate strategy); no peering CRDs needed
+        # One replica reconciles: the Lease election in run.py decides which; no kopf peering CRDs.
+        settings.peering.standalone = True
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        if runtime.config.server:
-            info: kopf.ConnectionInfo | None = kopf.ConnectionInfo(server=runtime.config.server, insecure=True)
-        else:
-            info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        info = connection_info(runtime.config.server, **kwargs)
         if info is not None:
-            old, runtime.client = runtime.client, KubeClient(info)
+            old, runtime.client = runtime.client, KubeClient(info, user_agent=runtime.config.user_agent)
             if old is not None:  # a round may still use it: close it once that round is over
                 asyncio.get_running_loop().call_later(CLIENT_GRACE_SECONDS, _close_later, old)
         return info

@@ -102,3 +102,16 @@ def desired_replicas(current: int, queue_depths: Iterable[float], target_per_rep
     elif wanted < current:
         wanted = current - 1
     return max(low, min(wanted, high))
+
+
+def stabilized(current: int, recommendations: Sequence[tuple[float, int]], now: float, window: float) -> int:
+    """Scale up at once; scale down only to the highest recommendation of the last ``window``
+    seconds (the HorizontalPodAutoscaler's scale-down stabilisation), so a brief lull does not
+    shed replicas that the next burst needs."""
+    recent = [r for t, r in recommendations if now - t <= window]
+    if not recent:
+        return current
+    newest = recent[-1]
+    if newest >= current:
+        return newest
+    return min(current, max(recent))

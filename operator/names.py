@@ -6,7 +6,9 @@ import dataclasses
 import os
 from typing import Literal
 
+from kvflow import IMAGE as KVFLOW_IMAGE
 from kvflow.operator.spec import LLMService, PoolRole
+from kvflow.realvllm import VLLM_VERSION
 
 Component = Literal["prefill", "decode", "router", "gateway"]
 
@@ -14,11 +16,18 @@ FIELD_MANAGER = "kvflow-operator"
 LABEL_SERVICE = "kvflow.io/service"
 LABEL_ROLE = "kvflow.io/role"
 LABEL_ENGINE = "kvflow.io/engine"
+# The KV-cache compatibility of an engine pod (model, tokenizer, engine, block size, hash seed):
+# the router pairs a prefill pod only with a decode pod of the same revision.
+LABEL_REVISION = "kvflow.io/revision"
+LABEL_LLMD_ROLE = "llm-d.ai/role"  # llm-d's scheduler tells prefill from decode by this
 ANNOTATION_TEMPLATE_HASH = "kvflow.io/template-hash"
 ANNOTATION_APPLIED_HASH = "kvflow.io/applied-hash"
 
-# kvflow router: ext_proc gRPC, and /metrics + /healthz on the metrics port.
+# kvflow router, on the Inference Extension EPP's ports: ext_proc gRPC (TLS by default), gRPC
+# health (plaintext, for kubelet probes; service "inference-extension"), /metrics + /healthz.
 ROUTER_GRPC_PORT = 9002
+ROUTER_HEALTH_PORT = 9003
+ROUTER_HEALTH_SERVICE = "inference-extension"
 ROUTER_METRICS_PORT = 9090
 # Engines publish KV events on this port (vLLM binds tcp://*:PORT); the router connects to each pod.
 KV_EVENTS_PORT = 5557
@@ -27,8 +36,10 @@ ROUTER_CONFIG_FILE = "router.yaml"
 GATEWAY_CONFIG_FILE = "gateway.yaml"
 
 
-DEFAULT_KVFLOW_IMAGE = "ghcr.io/kvflow/kvflow:0.1.0"
-DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+# The image this repository builds (`make image`, the Dockerfile), named in kvflow/__init__.py,
+# and vLLM's official image at the version kvflow's protocols are written against.
+DEFAULT_KVFLOW_IMAGE = KVFLOW_IMAGE
+DEFAULT_VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,6 +84,7 @@ def labels(svc: LLMService, component: Component) -> dict[str, str]:
     if component in ("prefill", "decode"):
         out[LABEL_ROLE] = component
         out[LABEL_ENGINE] = "true"
+        out[LABEL_LLMD_ROLE] = component if svc.spec.disaggregated else "both"
     return out
 
 

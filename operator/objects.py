@@ -29,6 +29,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
         ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
     ("keda.sh/v1alpha1", "ScaledObject"): ("/apis/keda.sh/v1alpha1", "scaledobjects"),
+    ("coordination.k8s.io/v1", "Lease"): ("/apis/coordination.k8s.io/v1", "leases"),
     (API_VERSION, KIND): (f"/apis/{API_VERSION}", "llmservices"),
 }
 
@@ -65,32 +66,43 @@ def content_hash(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def merge(base: Any, override: Any) -> Any:
-    """Deep-merge ``override`` into ``base``: dicts by key, lists of named items by name.
+# Lists whose items merge field by field (a container named "engine" is amended); every other
+# list of named items is merged item by item, each item *replaced* whole: a volume or an env
+# variable has exactly one source, and merging two would give an object the API server refuses.
+DEEP_MERGED_LISTS = frozenset({"containers", "initContainers"})
+LIST_KEYS = {"volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def merge(base: Any, override: Any, field: str | None = None) -> Any:
+    """Merge ``override`` into ``base``: dicts by key, lists of named items by name.
 
     This is how a pool's ``podTemplate`` override lands on the rendered pod template: a
-    container named ``engine`` in the override amends the rendered one instead of replacing
-    the whole list. Other lists (args, tolerations) are replaced.
+    container named ``engine`` in the override amends the rendered one; a volume named
+    ``model-cache`` or an env variable ``HF_TOKEN`` replaces the rendered one of that name;
+    volume mounts are matched by path. Other lists (args, tolerations) are replaced.
     """
     if isinstance(base, dict) and isinstance(override, dict):
         out = copy.deepcopy(base)
         for k, v in override.items():
-            out[k] = merge(out[k], v) if k in out else copy.deepcopy(v)
+            out[k] = merge(out[k], v, k) if k in out else copy.deepcopy(v)
         return out
-    if isinstance(base, list) and isinstance(override, list) and _named(base) and _named(override):
+    key = LIST_KEYS.get(field or "", "name")
+    if isinstance(base, list) and isinstance(override, list) and _keyed(base, key) and _keyed(override, key):
         out_list = copy.deepcopy(base)
-        index = {item["name"]: i for i, item in enumerate(out_list)}
+        index = {item[key]: i for i, item in enumerate(out_list)}
         for item in override:
-            if item["name"] in index:
-                out_list[index[item["name"]]] = merge(out_list[index[item["name"]]], item)
-            else:
+            if item[key] not in index:
                 out_list.append(copy.deepcopy(item))
+            elif field in DEEP_MERGED_LISTS:
+                out_list[index[item[key]]] = merge(out_list[index[item[key]]], item)
+            else:
+                out_list[index[item[key]]] = copy.deepcopy(item)
         return out_list
     return copy.deepcopy(override)
 
 
-def _named(items: list[Any]) -> bool:
-    return all(isinstance(item, dict) and "name" in item for item in items)
+def _keyed(items: list[Any], key: str) -> bool:
+    return all(isinstance(item, dict) and key in item for item in items)
 
 
 def sort_for_apply(objs: list[Obj]) -> list[Obj]:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvflow.operator import lifecycle, names, scrape
+from kvflow.operator import health, lifecycle, names, scrape
 from kvflow.operator import status as status_mod
 from kvflow.operator.kube import ApiError, KubeClient
 from kvflow.operator.objects import APPLY_ORDER, RESOURCES, Obj, content_hash, key
@@ -35,31 +35,51 @@ class OperatorConfig:
     scrape_timeout: float = 3.0
     images: names.Images = dataclasses.field(default_factory=names.Images)
     server: str | None = None  # explicit API URL (development, tests); else in-cluster/kubeconfig
+    user_agent: str = "kvflow-operator"  # with leader election, plus the replica's identity
     # Timer rounds re-apply only children whose rendering changed; every resync_seconds they
     # re-apply everything, which also undoes edits others made to fields the operator owns.
     resync_seconds: float = 300.0
+    # Stuck engines are evicted at most this many times per window, over all LLMServices: a
+    # cluster-wide fault (a bad driver, a metrics bug) must not cycle every engine at once.
+    eviction_budget: int = 3
+    eviction_window: float = 600.0
+    # Rounds in a row a pool's pods must fail to answer /metrics before the status says so.
+    unreachable_rounds: int = 2
+
+
+def wall_time() -> str:
+    """Now, as Kubernetes writes condition timestamps."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclasses.dataclass
 class Runtime:
-    """Per-process state of the operator: the client, scrape histories, per-object locks."""
+    """Per-process state of the operator: the client, scrape histories, per-object locks.
+
+    Every duration the reconcile path measures comes from ``clock`` (monotonic seconds), and
+    every timestamp it writes from ``wall``: tests can run the operator's time faster than the
+    wall's, and nothing on the reconcile path reads a clock of its own.
+    """
 
     config: OperatorConfig
     client: KubeClient | None = None
     clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], str] = wall_time
     histories: dict[tuple[str, str], list[lifecycle.Sample]] = dataclasses.field(default_factory=dict)
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
-
     last_full_apply: dict[str, float] = dataclasses.field(default_factory=dict)
+    evictions: list[float] = dataclasses.field(default_factory=list)  # when, over all services
+    recommendations: dict[tuple[str, PoolRole], list[tuple[float, int]]] = dataclasses.field(default_factory=dict)
+    unreachable: dict[tuple[str, PoolRole], int] = dataclasses.field(default_factory=dict)  # rounds in a row
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
 
     def resync_due(self, uid: str) -> bool:
-        return time.monotonic() - self.last_full_apply.get(uid, float("-inf")) >= self.config.resync_seconds
+        return self.clock() - self.last_full_apply.get(uid, float("-inf")) >= self.config.resync_seconds
 
     def resynced(self, uid: str) -> None:
-        self.last_full_apply[uid] = time.monotonic()
+        self.last_full_apply[uid] = self.clock()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,10 +99,6 @@ def stamp_applied_hash(obj: Obj) -> None:
     annotations = obj["metadata"].setdefault("annotations", {})
     annotations.pop(names.ANNOTATION_APPLIED_HASH, None)
     annotations[names.ANNOTATION_APPLIED_HASH] = content_hash(obj)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def observe(client: KubeClient, svc: LLMService) -> dict[Key, Obj]:
@@ -113,21 +129,23 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
         desired = render(svc, rt.config.images)
     except InvalidSpecError as exc:
         generation = int((body.get("metadata") or {}).get("generation") or 0)
-        new = status_mod.invalid(generation, str(exc), now=_now(), previous=previous)
+        new = status_mod.invalid(generation, str(exc), now=rt.wall(), previous=previous)
         return Outcome(new, status_mod.transition_events(previous, new))
 
     events: list[Event] = []
     error: str | None = None
     observed: dict[Key, Obj] = {}
+    pods: list[Obj] = []
     scale: dict[PoolRole, int] = {}
     try:
         observed = await observe(rt.client, svc)
+        pods = await rt.client.list("v1", "Pod", svc.namespace, {names.LABEL_SERVICE: svc.name})
         missing = await missing_apis(rt.client, desired)
         if missing:
             # Apply nothing rather than half a service that cannot route.
             raise ApiError(404, "the cluster does not serve " + "; ".join(missing) + ": install it first")
         if lifecycle_duties:
-            scale, events = await _lifecycle(rt, svc, observed)
+            scale, events = await _lifecycle(rt, svc, observed, pods)
         decided = plan(svc, desired, observed, scale)
         full = not lifecycle_duties or rt.resync_due(svc.uid)
         for obj in decided.apply:
@@ -142,19 +160,34 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
     except ApiError as exc:
         error = str(exc)
         decided = plan(svc, desired, observed, scale)
-    new = status_mod.compute(svc, decided, observed, now=_now(), previous=previous, error=error)
+    problems = health.problems(pods, [o for k, o in observed.items() if k[1] == "Deployment"])
+    unreachable = {role: rounds for (uid, role), rounds in rt.unreachable.items()
+                   if uid == svc.uid and rounds >= rt.config.unreachable_rounds}
+    new = status_mod.compute(svc, decided, observed, now=rt.wall(), previous=previous, error=error,
+                             problems=problems, unreachable=unreachable)
     return Outcome(new, events + status_mod.transition_events(previous, new))
 
 
-async def _lifecycle(rt: Runtime, svc: LLMService,
-                     observed: Mapping[Key, Obj]) -> tuple[dict[PoolRole, int], list[Event]]:
+def _running_engines(pods: list[Obj]) -> list[Obj]:
+    return [p for p in pods if (p["metadata"].get("labels") or {}).get(names.LABEL_ENGINE) == "true"
+            and not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("phase") == "Running"]
+
+
+def _of_role(pods: list[Obj], role: PoolRole) -> list[Obj]:
+    return [p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == role]
+
+
+async def _lifecycle(rt: Runtime, svc: LLMService, observed: Mapping[Key, Obj],
+                     all_pods: list[Obj]) -> tuple[dict[PoolRole, int], list[Event]]:
     assert rt.client is not None
-    pods = [p for p in await rt.client.list("v1", "Pod", svc.namespace, names.engine_pool_selector(svc))
-            if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("phase") == "Running"]
+    pods = _running_engines(all_pods)
     metrics: dict[str, dict[str, float]] = {}
     for role in rendered_roles(svc):  # the engine's own port: a decode sidecar may sit in front
-        of_role = [p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == role]
-        metrics |= await scrape.scrape_pods(of_role, names.engine_port(svc, role), rt.config.scrape_timeout)
+        answered = await scrape.scrape_pods(_of_role(pods, role), names.engine_port(svc, role),
+                                            rt.config.scrape_timeout)
+        metrics |= answered
+        silent = bool(_of_role(pods, role)) and not answered
+        rt.unreachable[(svc.uid, role)] = rt.unreachable.get((svc.uid, role), 0) + 1 if silent else 0
     now = rt.clock()
     events: list[Event] = []
     keep = svc.spec.lifecycle.stuck_after_seconds * 2 + rt.config.interval * 4
@@ -167,37 +200,56 @@ async def _lifecycle(rt: Runtime, svc: LLMService,
             history = rt.histories.setdefault((svc.uid, uid), [])
             history.append(lifecycle.sample_from_metrics(metrics[uid], now))
             rt.histories[(svc.uid, uid)] = lifecycle.trim(history, now, keep)
-    for role in rendered_roles(svc):
-        if not svc.spec.lifecycle.stuck_detection:
-            break
-        for pod in (p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == role):
-            uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
-            if lifecycle.is_stuck(rt.histories.get((svc.uid, uid), []), now,
-                                  svc.spec.lifecycle.stuck_after_seconds):
-                if await rt.client.delete("v1", "Pod", svc.namespace, name, uid=uid):
-                    events.append(Event("Warning", "StuckEngineReplaced",
-                                        f"{role} pod {name} ran requests without generating a token for "
-                                        f"{svc.spec.lifecycle.stuck_after_seconds}s; deleted it for a fresh one"))
-                rt.histories.pop((svc.uid, uid), None)
-                break  # at most one per pool per round: a metrics glitch must not empty a pool
-    return _autoscale(svc, pods, metrics, observed, events), events
+    if svc.spec.lifecycle.stuck_detection:
+        for role in rendered_roles(svc):
+            events += await _replace_stuck(rt, svc, role, _of_role(pods, role), now)
+    return _autoscale(rt, svc, pods, metrics, observed, events, now), events
 
 
-def _autoscale(svc: LLMService, pods: list[Obj], metrics: Mapping[str, Mapping[str, float]],
-               observed: Mapping[Key, Obj], events: list[Event]) -> dict[PoolRole, int]:
+async def _replace_stuck(rt: Runtime, svc: LLMService, role: PoolRole, pods: list[Obj], now: float) -> list[Event]:
+    """Evict the first stuck pod of the pool, through the Eviction API so PodDisruptionBudgets hold."""
+    assert rt.client is not None
+    threshold = svc.spec.lifecycle.stuck_after_seconds
+    for pod in pods:
+        uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
+        if not lifecycle.is_stuck(rt.histories.get((svc.uid, uid), []), now, threshold):
+            continue
+        rt.evictions = [t for t in rt.evictions if now - t < rt.config.eviction_window]
+        if len(rt.evictions) >= rt.config.eviction_budget:
+            return [Event("Warning", "EvictionRateLimited",
+                          f"{role} pod {name} is stuck, but {len(rt.evictions)} engines were evicted in the last "
+                          f"{rt.config.eviction_window:g}s (the operator's limit); it waits")]
+        if not await rt.client.evict(svc.namespace, name, uid=uid):
+            return [Event("Warning", "EvictionBlocked",
+                          f"{role} pod {name} is stuck, but evicting it now would break its PodDisruptionBudget")]
+        rt.evictions.append(now)
+        rt.histories.pop((svc.uid, uid), None)
+        return [Event("Warning", "StuckEngineReplaced",
+                      f"{role} pod {name} ran requests without generating a token for {threshold}s; "
+                      "evicted it for a fresh one")]
+    return []  # at most one per pool per round: a metrics glitch must not empty a pool
+
+
+def _autoscale(rt: Runtime, svc: LLMService, pods: list[Obj], metrics: Mapping[str, Mapping[str, float]],
+               observed: Mapping[Key, Obj], events: list[Event], now: float) -> dict[PoolRole, int]:
     if svc.spec.autoscaling.mode != "operator":
         return {}
     scale: dict[PoolRole, int] = {}
+    window = svc.spec.autoscaling.scale_down_stabilization_seconds
     for role in rendered_roles(svc):
         bounds = svc.spec.pool(role).autoscaling
         have = observed.get(("apps/v1", "Deployment", names.child_name(svc, role)))
         if bounds is None or have is None:
             continue
         current = int((have.get("spec") or {}).get("replicas", 1))
-        depths = [metrics[p["metadata"]["uid"]].get(lifecycle.WAITING, 0.0) for p in pods
-                  if p["metadata"]["labels"].get(names.LABEL_ROLE) == role and p["metadata"]["uid"] in metrics]
-        wanted = lifecycle.desired_replicas(current, depths, svc.spec.autoscaling.target_queue_depth,
-                                            bounds.min_replicas, bounds.max_replicas)
+        depths = [metrics[p["metadata"]["uid"]].get(lifecycle.WAITING, 0.0) for p in _of_role(pods, role)
+                  if p["metadata"]["uid"] in metrics]
+        recommended = lifecycle.desired_replicas(current, depths, svc.spec.autoscaling.target_queue_depth,
+                                                 bounds.min_replicas, bounds.max_replicas)
+        history = rt.recommendations.setdefault((svc.uid, role), [])
+        history.append((now, recommended))
+        history[:] = [(t, r) for t, r in history if now - t <= window]
+        wanted = lifecycle.stabilized(current, history, now, window)
         scale[role] = wanted
         if wanted != current:
             events.append(Event("Normal", "Scaled", f"{role} pool {current} -> {wanted} replicas "

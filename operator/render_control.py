@@ -6,15 +6,11 @@ from typing import Any
 
 import yaml
 
-from kvflow.operator import args, names
+from kvflow.operator import args, names, volumes
 from kvflow.operator.objects import Obj, content_hash, new
-from kvflow.operator.render_pools import rendered_roles
+from kvflow.operator.render_pools import NON_ROOT, rendered_roles
 from kvflow.operator.spec import LLMService, PoolRole
 
-_NON_ROOT = {
-    "runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
-}
 
 
 # The operator's scorer names -> the router's built-in plugin names (kvflow.router.config).
@@ -39,7 +35,8 @@ def router_config(svc: LLMService) -> dict[str, Any]:
         "blockSize": spec.engine.block_size,
         "hashSeed": spec.routing.hash_seed,
         "defaultProfile": profile,
-        "kvEvents": {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT},
+        "kvEvents": {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT,
+                     "dataParallelSize": spec.engine.data_parallel_size},
         "pd": {"enabled": spec.disaggregated and spec.routing.scheduler_profile == "pd",
                "threshold": spec.routing.pd_threshold},
         "pool": {"name": names.pool_name(svc), "kubernetes": {
@@ -63,7 +60,8 @@ def gateway_config(svc: LLMService) -> dict[str, Any]:
     return {
         "host": "0.0.0.0",
         "port": svc.spec.gateway.port,
-        "pools": [{"model": svc.spec.model.name, "profile": config["defaultProfile"], "router_config": config}],
+        "pools": [{"model": svc.spec.model.name, "profile": config["defaultProfile"], "router_config": config,
+                   "tokenizer": volumes.tokenizer_storage(svc)[1]}],
         "batch": {"dir": BATCH_DIR},
     }
 
@@ -91,6 +89,28 @@ def _config_volume(name: str) -> tuple[Obj, Obj]:
             {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True})
 
 
+def _secret_storage(volume: str, secret: str, path: str) -> volumes.Storage:
+    return volumes.Storage(({"name": volume, "secret": {"secretName": secret}},),
+                           ({"name": volume, "mountPath": path, "readOnly": True},))
+
+
+def router_storage(svc: LLMService, images: names.Images) -> volumes.Storage:
+    """The tokenizer (with the init container that fetches a hub model's), and TLS material."""
+    storage = volumes.tokenizer_storage(svc)[0]
+    tls = svc.spec.routing.tls
+    if tls.mode == "Secret" and tls.secret_name:
+        storage += _secret_storage("tls", tls.secret_name, args.TLS_DIR)
+    if tls.client_ca_secret_name:
+        storage += _secret_storage("client-ca", tls.client_ca_secret_name, args.CLIENT_CA_DIR)
+    return volumes.with_image(storage, images.kvflow, NON_ROOT)
+
+
+def _grpc_probe(period: int) -> Obj:
+    # GIE's EPP probes: gRPC health on its own plaintext port (kubelet probes speak no TLS).
+    return {"grpc": {"port": names.ROUTER_HEALTH_PORT, "service": names.ROUTER_HEALTH_SERVICE},
+            "periodSeconds": period}
+
+
 def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     name = names.child_name(svc, "router")
     config_text = yaml.safe_dump(router_config(svc), sort_keys=False)
@@ -111,19 +131,29 @@ def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
 
     command, arguments = args.router(svc)
     volume, mount = _config_volume(name)
+    storage = router_storage(svc, images)
     container: Obj = {
         "name": "router", "image": images.kvflow, "command": command, "args": arguments,
         "env": [{"name": "PYTHONHASHSEED", "value": svc.spec.routing.hash_seed}],
         "ports": [
             {"name": "grpc", "containerPort": names.ROUTER_GRPC_PORT, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": names.ROUTER_HEALTH_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": names.ROUTER_METRICS_PORT, "protocol": "TCP"},
         ],
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10},
+        "readinessProbe": _grpc_probe(5),
+        "livenessProbe": _grpc_probe(10),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "volumeMounts": [mount],
-        "securityContext": _NON_ROOT,
+        "volumeMounts": [mount, *storage.mounts],
+        "securityContext": NON_ROOT,
     }
+    pod_spec: Obj = {
+        "serviceAccountName": name,
+        "containers": [container],
+        "volumes": [volume, *storage.volumes],
+        "terminationGracePeriodSeconds": 30,
+    }
+    if storage.init_containers:
+        pod_spec["initContainers"] = list(storage.init_containers)
     deployment = new(svc, "apps/v1", "Deployment", name, "router")
     deployment["spec"] = {
         "replicas": svc.spec.routing.replicas,
@@ -134,20 +164,17 @@ def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
                 # A config change restarts the router: it reads the file once at start.
                 "annotations": {"kvflow.io/config-hash": content_hash(config_text)},
             },
-            "spec": {
-                "serviceAccountName": name,
-                "containers": [container],
-                "volumes": [volume],
-                "terminationGracePeriodSeconds": 30,
-            },
+            "spec": pod_spec,
         },
     }
     service = new(svc, "v1", "Service", name, "router")
+    plaintext = svc.spec.routing.tls.mode == "Disabled"
     service["spec"] = {
         "selector": names.selector_labels(svc, "router"),
         "ports": [
-            {"name": "grpc", "port": names.ROUTER_GRPC_PORT, "targetPort": "grpc",
-             "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+            {"name": "grpc", "port": names.ROUTER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+             "appProtocol": "kubernetes.io/h2c" if plaintext else "http2"},
+            {"name": "grpc-health", "port": names.ROUTER_HEALTH_PORT, "targetPort": "grpc-health", "protocol": "TCP"},
             {"name": "metrics", "port": names.ROUTER_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
         ],
     }
@@ -166,6 +193,7 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     config["data"] = {names.GATEWAY_CONFIG_FILE: config_text}
     command, arguments = args.gateway(svc)
     volume, mount = _config_volume(name)
+    storage = volumes.with_image(volumes.tokenizer_storage(svc)[0], images.kvflow, NON_ROOT)
     batch_volume, batch_mount, affinity = _batch_volume(svc)
     deployment = new(svc, "apps/v1", "Deployment", name, "gateway")
     deployment["spec"] = {
@@ -184,10 +212,11 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
                     "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
                     "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
                     "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-                    "volumeMounts": [mount, batch_mount],
-                    "securityContext": _NON_ROOT,
+                    "volumeMounts": [mount, *storage.mounts, batch_mount],
+                    "securityContext": NON_ROOT,
                 }],
-                "volumes": [volume, batch_volume],
+                "volumes": [volume, *storage.volumes, batch_volume],
+                **({"initContainers": list(storage.init_containers)} if storage.init_containers else {}),
                 "terminationGracePeriodSeconds": 30,
             },
         },
@@ -242,7 +271,7 @@ def autoscaler_objects(svc: LLMService) -> list[Obj]:
 def _bounds(svc: LLMService, role: PoolRole) -> tuple[int, int]:
     auto = svc.spec.pool(role).autoscaling
     assert auto is not None  # guaranteed by LLMServiceSpec validation
-    return max(1, auto.min_replicas), auto.max_replicas
+    return auto.min_replicas, auto.max_replicas
 
 
 def _hpa(svc: LLMService, role: PoolRole) -> Obj:
@@ -255,7 +284,8 @@ def _hpa(svc: LLMService, role: PoolRole) -> Obj:
             "metric": {"name": QUEUE_METRIC_ADAPTED},
             "target": {"type": "AverageValue", "averageValue": _quantity(svc.spec.autoscaling.target_queue_depth)},
         }}],
-        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+        "behavior": {"scaleDown": {
+            "stabilizationWindowSeconds": svc.spec.autoscaling.scale_down_stabilization_seconds}},
     }
     return obj
 
@@ -268,6 +298,8 @@ def _scaled_object(svc: LLMService, role: PoolRole) -> Obj:
     obj["spec"] = {
         "scaleTargetRef": {"name": names.child_name(svc, role)},
         "minReplicaCount": low, "maxReplicaCount": high, "cooldownPeriod": 300,
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {
+            "stabilizationWindowSeconds": svc.spec.autoscaling.scale_down_stabilization_seconds}}}},
         "triggers": [{"type": "prometheus", "metadata": {
             "serverAddress": svc.spec.autoscaling.prometheus_address,
             "query": query, "threshold": _quantity(svc.spec.autoscaling.target_queue_depth),

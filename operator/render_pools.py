@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvflow.operator import args, names
+from kvflow.operator import args, names, volumes
 from kvflow.operator.objects import Obj, content_hash, merge, new
 from kvflow.operator.spec import LLMService, PoolRole
 
 ENGINE_CONTAINER = "engine"
+NON_ROOT: Obj = {
+    "runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+}
 SIDECAR_CONTAINER = "routing-sidecar"
 
 
@@ -48,7 +52,7 @@ def _env(svc: LLMService) -> list[Obj]:
             {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
         ]
     if spec.model.scheme == "hf":
-        env.append({"name": "HF_HOME", "value": "/models/hf-cache"})
+        env.append({"name": "HF_HOME", "value": volumes.HF_CACHE_DIR})
     env += [dict(item) for item in spec.engine.env]
     return env
 
@@ -59,24 +63,6 @@ def _resources(svc: LLMService, role: PoolRole) -> Obj:
         gpus = svc.spec.engine.tensor_parallel_size * svc.spec.engine.data_parallel_size
         resources.setdefault("limits", {})["nvidia.com/gpu"] = gpus
     return resources
-
-
-def _volumes(svc: LLMService) -> tuple[list[Obj], list[Obj]]:
-    """Volumes and mounts for the model (PVC or OCI image volume), the cache and /dev/shm."""
-    model = svc.spec.model
-    volumes: list[Obj] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
-    mounts: list[Obj] = [{"name": "shm", "mountPath": "/dev/shm"}]
-    if model.scheme == "pvc":
-        claim = model.location.partition("/")[0]
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": f"{args.MODELS_DIR}/{claim}", "readOnly": True})
-    elif model.scheme == "oci":
-        volumes.append({"name": "model", "image": {"reference": model.location, "pullPolicy": "IfNotPresent"}})
-        mounts.append({"name": "model", "mountPath": f"{args.MODELS_DIR}/oci", "readOnly": True})
-    else:
-        volumes.append({"name": "model-cache", "emptyDir": {}})
-        mounts.append({"name": "model-cache", "mountPath": f"{args.MODELS_DIR}/hf-cache"})
-    return volumes, mounts
 
 
 def _probe(port: str, *, period: int, failures: int) -> Obj:
@@ -94,9 +80,10 @@ def engine_container(svc: LLMService, role: PoolRole, images: names.Images) -> O
     ports: list[Obj] = [{"name": port_name, "containerPort": names.engine_port(svc, role), "protocol": "TCP"}]
     if spec.kv_transfer.connector == "NixlConnector" and spec.disaggregated:
         ports.append({"name": "nixl", "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"})
-    if spec.routing.kv_events:
-        ports.append({"name": "kv-events", "containerPort": names.KV_EVENTS_PORT, "protocol": "TCP"})
-    _, mounts = _volumes(svc)
+    if spec.routing.kv_events:  # vLLM offsets the publisher's port by the data-parallel rank
+        for rank in range(spec.engine.data_parallel_size):
+            ports.append({"name": "kv-events" if rank == 0 else f"kv-events-{rank}",
+                          "containerPort": names.KV_EVENTS_PORT + rank, "protocol": "TCP"})
     return {
         "name": ENGINE_CONTAINER,
         "image": engine_image(svc, images),
@@ -106,7 +93,7 @@ def engine_container(svc: LLMService, role: PoolRole, images: names.Images) -> O
         "env": _env(svc),
         "ports": ports,
         "resources": _resources(svc, role),
-        "volumeMounts": mounts,
+        "volumeMounts": list(volumes.engine_storage(svc).mounts),
         # Model loading can take many minutes: the startup probe covers it, then liveness is strict.
         "startupProbe": _probe(port_name, period=10, failures=180),
         "readinessProbe": _probe(port_name, period=5, failures=3),
@@ -123,28 +110,44 @@ def sidecar_container(svc: LLMService, images: names.Images) -> Obj:
         "ports": [{"name": "http", "containerPort": svc.spec.engine.port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
-                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": NON_ROOT,
     }
+
+
+def revision(svc: LLMService, images: names.Images) -> str:
+    """What decides whether two engines' KV caches are interchangeable: a prefill pod and a decode
+    pod of different revisions must not be paired (the router reads ``kvflow.io/revision``)."""
+    spec = svc.spec
+    engine = spec.engine
+    return content_hash({
+        "model": spec.model.model_dump(mode="json", exclude={"lora_adapters"}),
+        "engine": engine.model_dump(mode="json", exclude={"port", "image_pull_policy"}),
+        "image": engine_image(svc, images), "hashSeed": spec.routing.hash_seed,
+        "kvTransfer": spec.kv_transfer.model_dump(mode="json"),
+    })[:12]
 
 
 def pod_template(svc: LLMService, role: PoolRole, images: names.Images) -> Obj:
     pool = svc.spec.pool(role)
-    volumes, _ = _volumes(svc)
+    storage = volumes.with_image(volumes.engine_storage(svc), images.kvflow, NON_ROOT)
     containers = [engine_container(svc, role, images)]
     if names.uses_sidecar(svc, role):
         containers.append(sidecar_container(svc, images))
     pod_spec: Obj = {
         "containers": containers,
-        "volumes": volumes,
+        "volumes": list(storage.volumes),
         "terminationGracePeriodSeconds": svc.spec.lifecycle.termination_grace_period_seconds,
     }
+    if storage.init_containers:
+        pod_spec["initContainers"] = list(storage.init_containers)
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)
     if pool.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in pool.tolerations]
     metadata: Obj = {
-        "labels": {**names.labels(svc, role), **pool.pod_template.labels},
+        # Spec labels first: the operator's (selectors, role, revision) always win.
+        "labels": {**pool.pod_template.labels, **names.labels(svc, role),
+                   names.LABEL_REVISION: revision(svc, images)},
         "annotations": {
             "prometheus.io/scrape": "true", "prometheus.io/port": str(names.engine_port(svc, role)),
             "prometheus.io/path": "/metrics", **pool.pod_template.annotations,
@@ -159,9 +162,9 @@ def deployment(svc: LLMService, role: PoolRole, images: names.Images) -> Obj:
               annotations={names.ANNOTATION_TEMPLATE_HASH: content_hash(template)})
     spec: Obj = {
         "selector": {"matchLabels": names.selector_labels(svc, role)},
-        # Never below the available replicas: surge a new pod, then retire an old one.
+        # By default never below the available replicas: surge a new pod, then retire an old one.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {
-            "maxUnavailable": 0, "maxSurge": svc.spec.rollout.max_surge}},
+            "maxUnavailable": svc.spec.rollout.max_unavailable, "maxSurge": svc.spec.rollout.max_surge}},
         "revisionHistoryLimit": 5,
         "progressDeadlineSeconds": 3600,
         "template": template,

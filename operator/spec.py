@@ -26,11 +26,46 @@ PLURAL = "llmservices"
 PoolRole = Literal["prefill", "decode"]
 POOL_ROLES: tuple[PoolRole, ...] = ("prefill", "decode")
 
-# Flags the operator sets itself; passing them through extraArgs would silently fight it.
+# Flags the operator sets itself; passing them through extraArgs would silently fight it (or,
+# like --block-size and --prefix-caching-hash-algo, desync the router's block hashes).
 MANAGED_ENGINE_FLAGS = frozenset({
     "--port", "--host", "--served-model-name", "--kv-transfer-config", "--kv-events-config",
     "--tensor-parallel-size", "--data-parallel-size", "--max-model-len", "--lora-modules",
+    "--block-size", "--enable-prefix-caching", "--prefix-caching-hash-algo", "--enable-lora",
+    "--model", "--tokenizer", "--revision", "--data-parallel-size-local", "--data-parallel-rank",
+    "--data-parallel-start-rank", "--data-parallel-address", "--data-parallel-rpc-port",
 })
+# vLLM's short aliases (vllm/engine/arg_utils.py) of flags above.
+ENGINE_FLAG_ALIASES = {
+    "-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-dpl": "--data-parallel-size-local",
+    "-dpn": "--data-parallel-rank", "-dpr": "--data-parallel-start-rank", "-dpa": "--data-parallel-address",
+    "-dpp": "--data-parallel-rpc-port",
+}
+# Environment the operator sets in engine pods; the spec may not set them again.
+OWNED_ENV = frozenset({"POD_NAME", "POD_NAMESPACE", "PYTHONHASHSEED", "HF_HOME",
+                       "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
+# Labels that select pods (Deployments, Services, the InferencePool, the router's P/D pairing):
+# a podTemplate that changed them would orphan or mis-route pods.
+PROTECTED_LABELS = frozenset({
+    "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+    "kvflow.io/service", "kvflow.io/role", "kvflow.io/engine", "kvflow.io/revision", "llm-d.ai/role",
+})
+
+
+def engine_flag(arg: str) -> str | None:
+    """The long flag an engine argument sets, as vLLM's parser reads it: ``--max_model_len=8``,
+    ``-tp``, ``--kv-transfer-config.kv_role=x`` and ``--no-enable-prefix-caching`` all name the
+    flag they change; None for a value."""
+    if not arg.startswith("-") or arg == "-" or arg[1:2].isdigit():
+        return None
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+        if name.startswith("--no-"):
+            name = "--" + name[5:]
+    return ENGINE_FLAG_ALIASES.get(name, name)
+
+
 KNOWN_SCORERS = frozenset({"prefix", "load", "kvCacheUtilization", "queueDepth", "lora"})
 _SOURCE_RE = re.compile(r"^(hf|pvc|oci)://[^\s]+$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -59,13 +94,24 @@ class ModelSpec(_Model):
     source: str
     revision: str | None = None
     lora_adapters: tuple[LoraAdapter, ...] = ()
+    # Where the router finds the served model's tokenizer; default: the model's own source.
+    tokenizer: str | None = None
+    # A PersistentVolumeClaim for the Hugging Face cache of an hf:// model (default: emptyDir).
+    cache_pvc: Annotated[str | None, Field(alias="cachePVC", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                           max_length=253)] = None
 
-    @pydantic.field_validator("source")
+    @pydantic.field_validator("source", "tokenizer")
     @classmethod
-    def _source_scheme(cls, value: str) -> str:
-        if not _SOURCE_RE.match(value):
+    def _source_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not _SOURCE_RE.match(value):
             raise ValueError(f"model source {value!r} must start with hf://, pvc:// or oci://")
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _cache_for_hub_models(self) -> ModelSpec:
+        if self.cache_pvc and self.scheme != "hf":
+            raise ValueError("model.cachePVC holds a hub download cache: it needs an hf:// source")
+        return self
 
     @pydantic.field_validator("lora_adapters")
     @classmethod
@@ -101,24 +147,38 @@ class EngineSpec(_Model):
     @pydantic.field_validator("extra_args")
     @classmethod
     def _no_managed_flags(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        clashes = sorted({arg.split("=", 1)[0] for arg in value} & MANAGED_ENGINE_FLAGS)
+        clashes = sorted({arg for arg in value if engine_flag(arg) in MANAGED_ENGINE_FLAGS})
         if clashes:
             raise ValueError(
-                f"engine.extraArgs must not set {', '.join(clashes)}: the operator sets them "
-                "from the spec (use the matching spec field instead)")
+                f"engine.extraArgs must not set {', '.join(clashes)}: the operator sets "
+                f"{', '.join(sorted({engine_flag(a) or a for a in clashes}))} from the spec "
+                "(use the matching spec field instead)")
         return value
 
     @pydantic.field_validator("env")
     @classmethod
     def _env_names(cls, value: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+        names = []
         for item in value:
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise ValueError("every engine.env entry needs a name")
+            names.append(item["name"])
+        _check_env_names(names, "engine.env")
         return value
 
 
+def _check_env_names(names: list[str], where: str) -> None:
+    owned = sorted(set(names) & OWNED_ENV)
+    if owned:
+        raise ValueError(f"{where} must not set {', '.join(owned)}: the operator sets it in every engine pod")
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"{where} names {', '.join(duplicates)} more than once")
+
+
 class PoolAutoscaling(_Model):
-    min_replicas: Annotated[int, Field(ge=0)] = 1
+    # A floor of one: a pool at zero has no pods, so no metrics, so nothing would scale it back.
+    min_replicas: Annotated[int, Field(ge=1)] = 1
     max_replicas: Annotated[int, Field(ge=1)] = 4
 
     @pydantic.model_validator(mode="after")
@@ -133,6 +193,24 @@ class PodTemplateOverride(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
     spec: dict[str, Any] = Field(default_factory=dict)
+
+    @pydantic.field_validator("labels")
+    @classmethod
+    def _no_selector_labels(cls, value: dict[str, str]) -> dict[str, str]:
+        taken = sorted(set(value) & PROTECTED_LABELS)
+        if taken:
+            raise ValueError(f"podTemplate.labels must not set {', '.join(taken)}: the operator selects pods by it")
+        return value
+
+    @pydantic.field_validator("spec")
+    @classmethod
+    def _no_owned_env(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for container in value.get("containers") or []:
+            if isinstance(container, dict):
+                env = [e.get("name") for e in container.get("env") or [] if isinstance(e, dict)]
+                _check_env_names([n for n in env if isinstance(n, str)],
+                                 f"podTemplate container {container.get('name')!r} env")
+        return value
 
 
 class PoolSpec(_Model):
@@ -150,6 +228,23 @@ class KvTransferSpec(_Model):
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
 
 
+class EndpointPickerTLS(_Model):
+    """TLS of the router's ext_proc port, as the Inference Extension's EPP serves it."""
+
+    mode: Literal["SelfSigned", "Secret", "Disabled"] = "SelfSigned"
+    secret_name: str | None = None  # a kubernetes.io/tls Secret (tls.crt, tls.key) for mode Secret
+    # Require client certificates signed by this Secret's ca.crt (mutual TLS).
+    client_ca_secret_name: Annotated[str | None, Field(alias="clientCASecretName")] = None
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> EndpointPickerTLS:
+        if (self.mode == "Secret") != bool(self.secret_name):
+            raise ValueError("routing.tls.secretName is needed for, and only for, mode Secret")
+        if self.mode == "Disabled" and self.client_ca_secret_name:
+            raise ValueError("routing.tls.clientCASecretName needs TLS (mode SelfSigned or Secret)")
+        return self
+
+
 class RoutingSpec(_Model):
     replicas: Annotated[int, Field(ge=1, le=16)] = 1
     scheduler_profile: Literal["pd", "prefix", "load", "random"] = "pd"
@@ -159,6 +254,7 @@ class RoutingSpec(_Model):
     kv_events: bool = True
     hash_seed: Annotated[str, Field(pattern=r"^[0-9]{1,10}$")] = "0"
     failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    tls: EndpointPickerTLS = EndpointPickerTLS()
 
     @pydantic.field_validator("scorer_weights")
     @classmethod
@@ -200,11 +296,22 @@ class AutoscalingSpec(_Model):
     mode: Literal["none", "operator", "hpa", "keda"] = "none"
     target_queue_depth: Annotated[float, Field(gt=0)] = 4.0
     prometheus_address: str = "http://prometheus-operated.monitoring:9090"
+    # Scale down only to the highest replica count wanted over this window (HPA's default).
+    scale_down_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 300
 
 
 class RolloutSpec(_Model):
     pool_order: tuple[PoolRole, PoolRole] = ("prefill", "decode")
-    max_surge: Annotated[int, Field(ge=1)] = 1
+    max_surge: Annotated[int, Field(ge=0)] = 1
+    # 0 keeps every replica serving during a rollout, but a cluster without a spare GPU never
+    # schedules the surge pod: allow 1 there, and the rollout replaces pods in place.
+    max_unavailable: Annotated[int, Field(ge=0)] = 0
+
+    @pydantic.model_validator(mode="after")
+    def _can_progress(self) -> RolloutSpec:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
+        return self
 
     @pydantic.field_validator("pool_order")
     @classmethod
@@ -240,8 +347,8 @@ class LLMServiceSpec(_Model):
                 and self.autoscaling.mode == "none":
             raise ValueError("routing.schedulerProfile pd needs prefill.replicas >= 1")
         if self.autoscaling.mode != "none":
-            for role in POOL_ROLES:
-                if self.pool(role).autoscaling is None:
+            for role in POOL_ROLES:  # an aggregated service (prefill.replicas 0) scales decode only
+                if self.pool(role).autoscaling is None and (role == "decode" or self.prefill.replicas > 0):
                     raise ValueError(f"autoscaling.mode {self.autoscaling.mode} needs {role}.autoscaling")
         return self
 

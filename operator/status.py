@@ -7,12 +7,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from kvflow.operator import names
+from kvflow.operator.health import Problem, summary
 from kvflow.operator.plan import Key, Plan
 from kvflow.operator.render_pools import pool_replicas, rendered_roles
 from kvflow.operator.spec import LLMService, PoolRole
 
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"]
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsReachable")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,13 +48,21 @@ def _condition(kind: str, ok: bool, reason: str, message: str, generation: int, 
 
 
 def compute(svc: LLMService, plan: Plan, observed: Mapping[Key, Any], *, now: str,
-            previous: Mapping[str, Any], error: str | None = None) -> dict[str, Any]:
-    """The status after a reconcile round (``error`` is an apply failure, if any)."""
+            previous: Mapping[str, Any], error: str | None = None, problems: Sequence[Problem] = (),
+            unreachable: Mapping[PoolRole, int] | None = None) -> dict[str, Any]:
+    """The status after a reconcile round.
+
+    ``error`` is an apply failure, if any; ``problems`` are pods that will not come up by
+    themselves (image pulls, crash loops, unschedulable, a rollout past its deadline); both make
+    the service ``Degraded``, with a message that names the pool and the reason.
+    ``unreachable`` holds the pools whose pods the operator could not scrape (rounds in a row).
+    """
     pools = {role: pool_counts(svc, role, observed) for role in rendered_roles(svc)}
     all_ready = all(p["ready"] >= p["desired"] and p["available"] >= p["desired"] for p in pools.values())
     rolling = plan.rolling_pool
     progressing = rolling is not None or not all_ready
-    if error:
+    diagnosis = summary(problems)
+    if error or diagnosis:
         phase: Phase = "Degraded"
     elif rolling is not None:
         phase = "Progressing"
@@ -73,9 +82,10 @@ def compute(svc: LLMService, plan: Plan, observed: Mapping[Key, Any], *, now: st
                    ready_msg, svc.generation, now, prev_conditions),
         _condition("Progressing", progressing, "RollingOut" if rolling else (
             "ScalingUp" if progressing else "Complete"), progress_msg, svc.generation, now, prev_conditions),
-        _condition("Degraded", bool(error), "ApplyFailed" if error else "AsExpected",
-                   error or "children applied", svc.generation, now, prev_conditions),
+        _degraded(error, diagnosis, svc.generation, now, prev_conditions),
     ]
+    if svc.spec.lifecycle.stuck_detection or svc.spec.autoscaling.mode == "operator":
+        conditions.append(_reachable(unreachable or {}, svc.generation, now, prev_conditions))
     out: dict[str, Any] = {
         "observedGeneration": svc.generation,
         "phase": phase,
@@ -90,6 +100,29 @@ def compute(svc: LLMService, plan: Plan, observed: Mapping[Key, Any], *, now: st
         out["gatewayURL"] = (f"http://{names.child_name(svc, 'gateway')}.{svc.namespace}.svc:"
                              f"{svc.spec.gateway.port}")
     return out
+
+
+def _degraded(error: str | None, diagnosis: tuple[str, str] | None, generation: int, now: str,
+              previous: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    if error:
+        reason, message = "ApplyFailed", error + (f"; {diagnosis[1]}" if diagnosis else "")
+    elif diagnosis:
+        reason, message = diagnosis
+    else:
+        reason, message = "AsExpected", "children applied"
+    return _condition("Degraded", bool(error or diagnosis), reason, message, generation, now, previous)
+
+
+def _reachable(unreachable: Mapping[PoolRole, int], generation: int, now: str,
+               previous: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    if not unreachable:
+        return _condition("MetricsReachable", True, "Scraped", "the operator reads every engine's /metrics",
+                          generation, now, previous)
+    pools = " and ".join(f"{role} pool" for role in sorted(unreachable))
+    return _condition("MetricsReachable", False, "ScrapeFailed",
+                      f"no pod of the {pools} answered /metrics for {max(unreachable.values())} rounds: "
+                      "stuck-engine replacement and queue-depth scaling are off for it (does a NetworkPolicy "
+                      "keep the operator out?)", generation, now, previous)
 
 
 def invalid(generation: int, message: str, *, now: str, previous: Mapping[str, Any]) -> dict[str, Any]:

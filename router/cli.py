@@ -2,7 +2,11 @@
 
     kvflow router --endpoint 127.0.0.2:8000 --endpoint 127.0.0.3:8000 --profile default \\
         --port 9002 --metrics-port 9090
-    kvflow router --config router.yaml
+    kvflow router --config router.yaml --tokenizer /models/tokenizer
+
+It takes the Gateway API Inference Extension EPP's ports and flags (``--grpc-port``,
+``--grpc-health-port``, ``--pool-name``, ``--pool-namespace``, ``--secure-serving``,
+``--cert-path``, ``--config-file``), so a gateway or chart built for GIE's EPP can run it.
 """
 
 from __future__ import annotations
@@ -11,34 +15,56 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvflow.router.config import load_config, read_source
-from kvflow.router.extproc import serve
+from kvflow.router.epp import TlsOptions, serve_health, server_credentials
+from kvflow.router.extproc import ExtProcLimits, serve
+from kvflow.routing_headers import check_allowable
 from kvflow.router.router import Router
-from kvflow.tokenizer import load_tokenizer
+from kvflow.router.tokenizer_policy import choose_tokenizer
 from kvflow.endpoints import Endpoint, Role, parse_host_port
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvflow router", description="Envoy ext_proc endpoint picker for vLLM pools")
-    p.add_argument("--config", help="router config (YAML or JSON)")
+    p.add_argument("--config", "--config-file", dest="config", help="router config (YAML or JSON)")
     p.add_argument("--endpoint", action="append", default=[], metavar="HOST:PORT", help="a pod serving both roles")
     p.add_argument("--prefill-endpoint", action="append", default=[], metavar="HOST:PORT", help="a prefill pod")
     p.add_argument("--decode-endpoint", action="append", default=[], metavar="HOST:PORT", help="a decode pod")
     p.add_argument("--model", action="append", default=[], help="model names the pods serve (default: any)")
     p.add_argument("--profile", default=None, help="scheduling profile (default: the config's defaultProfile)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port")
+    p.add_argument("--port", "--grpc-port", dest="port", type=int, default=9002, help="ext_proc gRPC port")
+    p.add_argument("--grpc-health-port", type=int, default=9003,
+                   help="plaintext gRPC health (service 'inference-extension', for kubelet probes; 0: off)")
     p.add_argument("--metrics-port", type=int, default=9090, help="/metrics and /debug/decisions (0: off)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: kvflow's built-in)")
+    p.add_argument("--secure-serving", action=argparse.BooleanOptionalAction, default=True,
+                   help="TLS on the ext_proc port (default; --no-secure-serving is plaintext)")
+    p.add_argument("--cert-path", type=Path, default=None,
+                   help="folder with tls.crt and tls.key (default: a self-signed certificate)")
+    p.add_argument("--client-ca", type=Path, default=None,
+                   help="require client certificates signed by this CA bundle (mutual TLS)")
+    p.add_argument("--pool-name", default=None, help="the InferencePool to follow (overrides the config)")
+    p.add_argument("--pool-namespace", default=None, help="its namespace (default: the config's, or NAMESPACE)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the served model's Hugging Face tokenizer folder, or 'builtin' (kvflow sim engines); "
+                        "required for precise prefix routing on a Kubernetes pool")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--kv-events-port", type=int, default=None, help="pods publish KV events on this port")
     p.add_argument("--no-kv-events", action="store_true", help="do not subscribe to KV events")
+    p.add_argument("--max-body-bytes", type=int, default=ExtProcLimits().max_body_bytes,
+                   help="largest request body ext_proc buffers (larger: 413)")
+    p.add_argument("--max-streams", type=int, default=ExtProcLimits().max_streams,
+                   help="requests ext_proc handles at once (more: 503 with Retry-After)")
+    p.add_argument("--allow-client-header", action="append", default=[], metavar="NAME",
+                   help="x-kvflow-profile / x-kvflow-priority: let clients choose (off by default)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(list(argv))
 
@@ -56,6 +82,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[dict[str, object], list[
         kv["enabled"] = False
     if kv:
         raw["kvEvents"] = kv
+    if args.pool_name:
+        pool = dict(raw.get("pool") or {})  # type: ignore[call-overload]
+        kubernetes = dict(pool.get("kubernetes") or {})
+        kubernetes["inferencePool"] = args.pool_name
+        namespace = args.pool_namespace or os.environ.get("NAMESPACE")
+        if namespace:
+            kubernetes["namespace"] = namespace
+        raw["pool"] = {**pool, "name": pool.get("name", args.pool_name), "kubernetes": kubernetes}
     models = frozenset(args.model)
     endpoints = [
         Endpoint(*parse_host_port(text), role=role, models=models)
@@ -71,12 +105,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[dict[str, object], list[
 
 def metrics_app(router: Router) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
-        router.metrics.flush_scores()
-        for view in router.datastore.snapshot():
-            router.metrics.in_flight.labels(router.config.pool_name, view.id).set(view.in_flight)
-            router.metrics.healthy.labels(router.config.pool_name, view.id).set(1 if view.healthy else 0)
-        router.metrics.index_blocks.labels(router.config.pool_name, "approx").set(len(router.approx))
-        router.metrics.index_blocks.labels(router.config.pool_name, "precise").set(len(router.precise))
+        router.refresh_gauges()
         return web.Response(
             body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
@@ -117,20 +146,30 @@ async def run(args: argparse.Namespace) -> int:
     config = load_config(raw)
     if not endpoints and not config.endpoints and config.kubernetes is None:
         raise SystemExit("kvflow router: no endpoints (use --endpoint or a config with pool.endpoints)")
-    router = Router(
-        config, endpoints, profile=args.profile or config.default_profile, tokenizer=load_tokenizer(args.tokenizer)
-    )
+    try:
+        tokenizer = choose_tokenizer(config, args.tokenizer, who="kvflow router")
+    except (ValueError, OSError) as exc:
+        raise SystemExit(str(exc) if str(exc).startswith("kvflow router") else f"kvflow router: {exc}") from None
+    router = Router(config, endpoints, profile=args.profile or config.default_profile, tokenizer=tokenizer)
+    try:
+        credentials = server_credentials(TlsOptions(args.secure_serving, args.cert_path, args.client_ca))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"kvflow router: TLS: {exc}") from None
     await router.start()  # also watches the pool's pods when the config names a Kubernetes pool
-    server = await serve(router, args.host, args.port)
+    limits = ExtProcLimits(args.max_body_bytes, args.max_streams,
+                           frozenset(check_allowable(args.allow_client_header)))
+    server = await serve(router, args.host, args.port, limits, credentials)
+    health = await serve_health(args.host, args.grpc_health_port) if args.grpc_health_port else None
     runner = None
     if args.metrics_port:
         runner = web.AppRunner(metrics_app(router), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.metrics_port).start()
     logging.getLogger("kvflow.router").info(
-        "router: ext_proc on %s:%d, profile %s, %d endpoints",
+        "router: ext_proc on %s:%d (%s), profile %s, %d endpoints",
         args.host,
         args.port,
+        ("mutual TLS" if args.client_ca else "TLS") if credentials else "plaintext",
         router.profile,
         len(router.endpoints),
     )
@@ -140,6 +179,8 @@ async def run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=1)
+    if health is not None:
+        await health.stop(grace=None)
     if runner is not None:
         await runner.cleanup()
     await router.stop()

@@ -93,6 +93,8 @@ class KvEventsSpec(_Strict):
     """Each pod publishes on ``tcp://<pod host>:<port>`` (vLLM binds, the router connects)."""
     speculative_ttl: float = Field(default=2.0, alias="speculativeTtlSeconds", ge=0)
     """How long a routed request's blocks count as cached before KV events confirm them (0: off)."""
+    data_parallel_size: int = Field(default=1, alias="dataParallelSize", ge=1, le=64)
+    """Data-parallel ranks per pod: vLLM publishes each rank's events on ``port + rank``."""
 
 
 class PdSpec(_Strict):
@@ -208,6 +210,7 @@ class RouterConfig:
     kv_events_enabled: bool = True
     kv_events_port: int = 5557
     speculative_ttl: float = 2.0
+    kv_events_ranks: int = 1
     pd_enabled: bool = True
     pd_threshold: int = 256
     pd_prefill_profile: str | None = None
@@ -225,6 +228,12 @@ class RouterConfig:
 
     def kv_events_address(self, endpoint: Endpoint) -> str:
         return self.kv_event_endpoints.get(endpoint.id) or f"tcp://{endpoint.host}:{self.kv_events_port}"
+
+    def kv_events_addresses(self, endpoint: Endpoint) -> tuple[str, ...]:
+        """Every publisher of the pod: one per data-parallel rank, on consecutive ports."""
+        if endpoint.id in self.kv_event_endpoints or self.kv_events_ranks == 1:
+            return (self.kv_events_address(endpoint),)
+        return tuple(f"tcp://{endpoint.host}:{self.kv_events_port + rank}" for rank in range(self.kv_events_ranks))
 
 
 def load_config(source: str | Path | Mapping[str, Any] | None = None) -> RouterConfig:
@@ -263,6 +272,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None) -> RouterC
         kv_events_enabled=spec.kv_events.enabled,
         kv_events_port=spec.kv_events.port,
         speculative_ttl=spec.kv_events.speculative_ttl,
+        kv_events_ranks=spec.kv_events.data_parallel_size,
         pd_enabled=spec.pd.enabled,
         pd_threshold=spec.pd.threshold,
         pd_prefill_profile=spec.pd.prefill_profile,

@@ -15,6 +15,13 @@ Extension requires). Per request:
 
 No endpoint → an immediate 503; shedding → 429 (``Retry-After``); a malformed body → 400.
 
+Limits (``ExtProcLimits``): a request body over ``max_body_bytes`` is answered 413 without
+buffering more of it; over ``max_streams`` concurrent requests, newcomers get a 503 with
+``Retry-After`` (both as HTTP answers, so a fail-open listener does not fall through). Routing
+headers a client sent are removed before scheduling (``kvflow.routing_headers``; Envoy's
+bootstrap removes them too) and the routing answer removes the ones it does not set, so nothing
+a client sends chooses a pod. ``kv_transfer_params`` in a client body is refused with a 400.
+
 Envoy tells the server its body modes in the first message (``protocol_config``). Besides full
 duplex, the buffered request mode works too: the headers are answered at once, and the routing
 header mutation rides on the body response instead (Envoy holds the headers until then). That
@@ -37,21 +44,37 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvflow.errors import InvalidRequestError, KvflowError, from_exception
+from kvflow.errors import InvalidRequestError, KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.router.request import scheduling_request as build_request
 from kvflow.router.request import tokens_off_loop
 from kvflow.router.router import Router
+from kvflow.routing_headers import DESTINATION, NEVER_FROM_CLIENTS, PICKED, PREFILLER, strip_client_routing
 
 log = logging.getLogger(__name__)
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-PREFILLER_HEADER = "x-prefiller-host-port"
-PICKED_RESPONSE_HEADER = "x-kvflow-endpoint"
+DESTINATION_HEADER = DESTINATION
+PREFILLER_HEADER = PREFILLER
+PICKED_RESPONSE_HEADER = PICKED
 LB_METADATA_NAMESPACE = "envoy.lb"
 CHUNK = 62_000  # under Envoy's 64 KiB default per streamed message
 FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcLimits:
+    max_body_bytes: int = 8 << 20
+    """Largest request body buffered; larger: 413."""
+    max_streams: int = 1024
+    """Requests processed at once; more: 503 with Retry-After."""
+    allow_client_headers: frozenset[str] = frozenset()
+    """kvflow's profile/priority headers clients may send (none by default)."""
+
+    @property
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """A buffered body arrives as one message: let it through so that the 413 is ours."""
+        return [("grpc.max_receive_message_length", self.max_body_bytes + (1 << 20))]
 
 
 @dataclass(slots=True)
@@ -68,6 +91,8 @@ class _Exchange:
     finished: bool = False
     duplex_request: bool = True
     duplex_response: bool = True
+    refused: bool = False
+    """Answered with an error: whatever Envoy still sends is ignored."""
 
 
 def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
@@ -91,7 +116,9 @@ def routing_response(result: SchedulingResult, *, on_body: bool = False) -> pb.P
     set_headers = [_set(DESTINATION_HEADER, picked)]
     if result.prefill is not None:
         set_headers.append(_set(PREFILLER_HEADER, result.prefill.id))
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
+    removed = sorted(NEVER_FROM_CLIENTS - {h.header.key for h in set_headers})  # whatever a client slipped in
+    mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=removed)
+    common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
     metadata = struct_pb2.Struct()
     metadata.update({LB_METADATA_NAMESPACE: {DESTINATION_HEADER: ",".join(t.id for t in result.targets)}})
     if on_body:
@@ -145,34 +172,64 @@ async def scheduling_request(router: Router, headers: dict[str, str], body: byte
     )
 
 
+def refuse_client_kv_params(body: bytes | bytearray) -> None:
+    """P/D parameters are the router's and the sidecar's to set: a client's are a 400."""
+    if b"kv_transfer_params" not in body:
+        return
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return  # scheduling_request says why the body is bad
+    if isinstance(parsed, dict) and parsed.get("kv_transfer_params") is not None:
+        raise InvalidRequestError("kv_transfer_params is set by the gateway for prefill/decode, not by clients",
+                                  param="kv_transfer_params")
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, limits: ExtProcLimits | None = None) -> None:
         self.router = router
+        self.limits = limits or ExtProcLimits()
+        self.streams = 0
 
     async def Process(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         ex = _Exchange()
+        over_limit = self.streams >= self.limits.max_streams
+        self.streams += 1
         try:
             async for msg in request_iterator:
+                if over_limit and not ex.refused:
+                    ex.refused = True  # answered once; Envoy then ends the stream
+                    yield error_response(NoCapacityError(
+                        "the endpoint picker is at its limit of concurrent requests; retry later", retry_after=1.0))
+                    continue
                 for resp in await self._handle(ex, msg):
                     yield resp
         finally:
+            self.streams -= 1
             self._finish(ex)
 
     async def _handle(self, ex: _Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if ex.refused:
+            return []
         kind = msg.WhichOneof("request")
         if msg.HasField("protocol_config"):
             ex.duplex_request = msg.protocol_config.request_body_mode == FULL_DUPLEX
             ex.duplex_response = msg.protocol_config.response_body_mode == FULL_DUPLEX
         if kind == "request_headers":
             ex.headers = header_map(msg.request_headers)
+            strip_client_routing(ex.headers, self.limits.allow_client_headers)
             if msg.request_headers.end_of_stream:
                 return await self._route(ex, with_body=False)
             if not ex.duplex_request:  # buffered: Envoy waits for this before sending the body
                 return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
             return []
         if kind == "request_body":
+            if len(ex.body) + len(msg.request_body.body) > self.limits.max_body_bytes:
+                ex.refused = True
+                return [error_response(PayloadTooLargeError(
+                    f"request body is over the {self.limits.max_body_bytes}-byte limit"))]
             ex.body += msg.request_body.body
             if msg.request_body.end_of_stream or msg.request_body.end_of_stream_without_message:
                 return await self._route(ex, with_body=True)
@@ -212,10 +269,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _route(self, ex: _Exchange, *, with_body: bool) -> list[pb.ProcessingResponse]:
         try:
+            refuse_client_kv_params(ex.body)
             ex.request = await scheduling_request(self.router, ex.headers, bytes(ex.body))
             await self.router.prepare(ex.request)
             ex.result = self.router.schedule(ex.request)
         except Exception as exc:  # every failure becomes an HTTP answer, never a broken stream
+            ex.refused = True
             error = from_exception(exc)
             if not isinstance(exc, KvflowError):
                 log.exception("scheduling failed")
@@ -247,25 +306,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.flight.finish()
 
 
-async def serve(router: Router, host: str, port: int) -> grpc.aio.Server:
-    """Start the ext_proc gRPC server (with gRPC health) and return it; the caller stops it."""
-    server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
-    await _add_health(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+async def serve(router: Router, host: str, port: int, limits: ExtProcLimits | None = None,
+                credentials: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+    """Start the ext_proc gRPC server (with gRPC health) and return it; the caller stops it.
+
+    ``credentials`` makes the port TLS (``kvflow.router.epp.server_credentials``); None is
+    plaintext.
+    """
+    from kvflow.router.epp import add_health
+
+    limits = limits or ExtProcLimits()
+    server = grpc.aio.server(options=limits.grpc_options)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router, limits), server)
+    await add_health(server)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind the ext_proc server to {host}:{port}")
     await server.start()
     return server
-
-
-async def _add_health(server: grpc.aio.Server) -> None:
-    try:
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    except ImportError:  # grpcio-health-checking is optional
-        log.warning("grpcio-health-checking not installed: no gRPC health service")
-        return
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
-        await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -14,8 +14,9 @@ load and learns its prefix. A failed attempt is undone on that pod before the ne
     finally:
         flight.finish()                # whatever happened, nothing stays counted
 
-What a pod carries (``LoadCounter``): the request in flight, its prompt tokens (KV blocks), and
-until its first token the prompt tokens the pod must compute (not cached there), which is the
+What a pod carries (``LoadCounter``): the request in flight, the KV blocks it adds there (its
+prompt tokens not already cached: a cached prefix is shared, not copied), and until its first
+token the prompt tokens the pod must compute (not cached there), which is the
 queue a later request waits behind. The time from dispatch to first token, over the work that
 was ahead of it, is the pod's observed prefill speed.
 """
@@ -41,10 +42,12 @@ Learn = Callable[[Endpoint, bool], None]
 class _Leg:
     """One pod's share of the request: its queue position, for as long as the pod holds it."""
 
-    __slots__ = ("endpoint", "counter", "work", "position", "ahead", "sent_at", "prefilling")
+    __slots__ = ("endpoint", "counter", "work", "tokens", "position", "ahead", "sent_at", "prefilling")
 
     def __init__(self, endpoint: Endpoint, counter: LoadCounter | None, work: int, tokens: int, now: float) -> None:
-        self.endpoint, self.counter, self.work, self.sent_at, self.prefilling = endpoint, counter, work, now, True
+        """``work``: tokens the pod computes; ``tokens``: the KV it adds (the same, unless pulled)."""
+        self.endpoint, self.counter, self.work, self.tokens = endpoint, counter, work, tokens
+        self.sent_at, self.prefilling = now, True
         self.ahead, self.position = 0.0, 0
         if counter is not None:
             counter.in_flight += 1
@@ -63,7 +66,7 @@ class _Leg:
             self.counter.prefilled(self.position)
         return True
 
-    def release(self, tokens: int, now: float, *, undo: bool) -> None:
+    def release(self, now: float, *, undo: bool) -> None:
         """The pod no longer holds the request; ``undo``: it computed nothing of it."""
         counter = self.counter
         if counter is None:
@@ -77,7 +80,7 @@ class _Leg:
                 counter.prefilled(self.position)
         counter.in_flight = max(0, counter.in_flight - 1)
         counter.dispatched = max(0, counter.dispatched - 1)
-        counter.tokens = max(0, counter.tokens - tokens)
+        counter.tokens = max(0, counter.tokens - self.tokens)
 
 
 class Flight:
@@ -132,7 +135,7 @@ class Flight:
         if self._done or self._prefill is not None:
             return
         work = self.uncached(endpoint)
-        self._prefill = _Leg(endpoint, self._counter(endpoint.id), work, self.prompt_tokens, self._clock())
+        self._prefill = _Leg(endpoint, self._counter(endpoint.id), work, work, self._clock())
         self._learn(endpoint, True)
 
     def prefill_done(self, *, ok: bool) -> None:
@@ -143,7 +146,7 @@ class Flight:
         if ok:
             leg.prefilled()
             self._observe(leg)
-        leg.release(self.prompt_tokens, self._clock(), undo=not ok)
+        leg.release(self._clock(), undo=not ok)
         self._remote = ok
         if not ok:
             self._forget(leg.endpoint, True)
@@ -156,8 +159,9 @@ class Flight:
         if self._done or self._leg is not None:
             return
         self._remote = self._remote or remote
-        work = 0 if self._remote else self.uncached(endpoint)
-        self._leg = _Leg(endpoint, self._counter(endpoint.id), work, self.prompt_tokens, self._clock())
+        blocks = self.uncached(endpoint)  # pulled or computed, the pod holds them
+        work = 0 if self._remote else blocks
+        self._leg = _Leg(endpoint, self._counter(endpoint.id), work, blocks, self._clock())
         self._learn(endpoint, False)
 
     def failed(self, endpoint: Endpoint) -> None:
@@ -166,7 +170,7 @@ class Flight:
         if leg is None or leg.endpoint.id != endpoint.id:
             return
         self._leg = None
-        leg.release(self.prompt_tokens, self._clock(), undo=True)
+        leg.release(self._clock(), undo=True)
         self._forget(endpoint, False)
 
     def first_token(self, *, observe: bool = True) -> None:
@@ -188,7 +192,7 @@ class Flight:
         leg, self._leg = self._leg, None
         if leg is not None:
             self.served = leg.endpoint
-            leg.release(self.prompt_tokens, self._clock(), undo=False)
+            leg.release(self._clock(), undo=False)
 
     def _observe(self, leg: _Leg) -> None:
         """The pod's prefill speed: time to first token over the work that was ahead, its own, a step."""

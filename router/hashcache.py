@@ -1,41 +1,57 @@
 """vLLM block hashes for a request, computed lazily and memoised across requests.
 
-Hashing a block the way vLLM does costs a pickle and a SHA-256 (1.5-3 µs here), so an
-8k-token prompt (512 blocks of 16) would spend the whole 1 ms decision budget hashing. Two
-things make it cheap:
+Hashing a block the way vLLM does is a SHA-256 over pickled bytes; ``kvflow.hashing``'s
+``chain_hashes`` lays out a run of blocks' bytes at once, but an 8k-token prompt (512 blocks
+of 16) still costs a few hundred microseconds to hash. Two things keep that off most
+decisions:
 
 * **a prefix-fingerprint memo.** numpy computes, for every block boundary at once, a 64-bit
-  fingerprint of the whole prefix up to it (a per-block mix of the 16 token ids, multiplied by
-  a per-position constant and XOR-accumulated): ~0.1 µs a block instead of a SHA-256. The memo
-  maps fingerprint → vLLM hash, so requests sharing a system prompt reuse its hashes. A
-  fingerprint collision (odds ~2^-64 per pair) could only mis-score a pod, never change what
-  a pod serves.
+  fingerprint of the whole prefix up to it (a per-block mix of the block's token ids,
+  multiplied by a per-position constant and XOR-accumulated): ~0.1 µs a block instead of a
+  SHA-256. The memo maps fingerprint -> vLLM hash, so requests sharing a system prompt reuse
+  its hashes. A fingerprint collision (odds ~2^-64 per pair) could only mis-score a pod,
+  never change what a pod serves.
 * **laziness.** Hashes are computed as far as someone asks: the prefix walk stops at the first
   block no endpoint holds, so an uncached suffix is never SHA-hashed during the decision.
 
-Hashes are kept in their external form (the int vLLM publishes in KV events), so both prefix
+Hashes are kept in their external form (the int vLLM publishes in KV events), so the prefix
 indexes key on plain ints.
 """
 
 from __future__ import annotations
 
-import struct
+import itertools
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from kvflow.hashing import BlockHash, hash_block_tokens, hash_fn, none_hash, to_external
+from kvflow.blockbytes import as_int64
+from kvflow.errors import InvalidRequestError
+from kvflow.hashing import BlockHash, chain_hashes, none_hash, unpack_external
 
-_MAX_POSITIONS = 1 << 16  # blocks; a 1M-token prompt at block size 16
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, element-wise (uint64 arithmetic wraps, as intended)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=4)
 def _odd_constants(n: int, stream: int) -> np.ndarray:
-    """Fixed odd 64-bit multipliers: fingerprints must be stable for the life of the process."""
-    rng = np.random.default_rng((0x6B76666C6F77, stream))
-    return rng.integers(1, 2**63, size=n, dtype=np.uint64) | np.uint64(1)
+    """Fixed odd 64-bit multipliers ``0..n-1``: constant for the life of the process, and any
+    ``n``'s are a prefix of a larger ``n``'s, so a prompt of any length gets them."""
+    seed = np.uint64(0x6B76666C6F77 + (stream << 48))
+    return _splitmix64(np.arange(n, dtype=np.uint64) + seed) | np.uint64(1)
+
+
+def _position_constants(n: int) -> np.ndarray:
+    size = 1 << max(10, (n - 1).bit_length())  # a few sizes cached, not one per prompt length
+    return _odd_constants(size, 1)[:n]
 
 
 class BlockHashCache:
@@ -46,10 +62,8 @@ class BlockHashCache:
         self.seed = seed
         self.algo = algo
         self.capacity = capacity
-        self._fn = hash_fn(algo)
         self._root = none_hash(seed, algo)
         self._token_mix = _odd_constants(block_size, 0)
-        self._position_mix = _odd_constants(_MAX_POSITIONS, 1)
         self._memo: dict[Any, tuple[BlockHash, int]] = {}
         self.hits = 0
         self.misses = 0
@@ -61,49 +75,29 @@ class BlockHashCache:
         first_extra_keys: tuple[Any, ...] | None = None,
     ) -> RequestHashes:
         """``extra_keys`` key every block (LoRA); ``first_extra_keys`` block 0 only (LoRA + cache salt)."""
-        first = first_extra_keys if first_extra_keys is not None else extra_keys
-        return RequestHashes(self, token_ids, extra_keys, first)
+        return RequestHashes(self, token_ids, extra_keys, first_extra_keys)
 
-    def fingerprints(self, token_ids: Sequence[int]) -> list[int]:
-        """A 64-bit fingerprint of each full-block prefix of ``token_ids``."""
-        n = min(len(token_ids) // self.block_size, _MAX_POSITIONS)
+    def fingerprints(self, tokens: np.ndarray) -> list[int]:
+        """A 64-bit fingerprint of each full-block prefix of ``tokens`` (int64)."""
+        n = len(tokens) // self.block_size
         if n == 0:
             return []
-        if isinstance(token_ids, np.ndarray):
-            tokens = token_ids.astype(np.uint64, copy=False)
-        else:
-            # struct packs a list of ints ~3x faster than array.array or np.array convert it
-            count = n * self.block_size
-            tokens = np.frombuffer(struct.pack(f"{count}q", *token_ids[:count]), dtype=np.uint64)
-        blocks = (tokens[: n * self.block_size].reshape(n, self.block_size) * self._token_mix).sum(
+        blocks = (tokens[: n * self.block_size].astype(np.uint64).reshape(n, self.block_size) * self._token_mix).sum(
             axis=1, dtype=np.uint64
         )
-        # splitmix64's finaliser: makes a block's mix non-linear in its tokens
-        blocks ^= blocks >> np.uint64(30)
-        blocks *= np.uint64(0xBF58476D1CE4E5B9)
-        blocks ^= blocks >> np.uint64(27)
-        blocks *= np.uint64(0x94D049BB133111EB)
-        blocks ^= blocks >> np.uint64(31)
-        return np.bitwise_xor.accumulate(blocks * self._position_mix[:n]).tolist()  # type: ignore[no-any-return]
-
-    def _store(
-        self, key: Any, parent: BlockHash, block: Sequence[int], extra: tuple[Any, ...] | None
-    ) -> tuple[BlockHash, int]:
-        self.misses += 1
-        if len(self._memo) >= self.capacity:
-            # Dropping everything is cheaper than LRU bookkeeping on every hit, and a shared
-            # prompt is back in the memo after one request.
-            self._memo.clear()
-        full = hash_block_tokens(self._fn, parent, block, extra)
-        value = (full, int(to_external(full)))
-        self._memo[key] = value
-        return value
+        blocks = _splitmix64(blocks)  # non-linear in the block's tokens
+        return np.bitwise_xor.accumulate(blocks * _position_constants(n)).tolist()  # type: ignore[no-any-return]
 
 
 class RequestHashes:
-    """One request's chain of external block hashes, computed as far as someone asks."""
+    """One request's chain of external block hashes, computed as far as someone asks.
 
-    __slots__ = ("_cache", "_tokens", "_extra", "_first", "_parent", "_hashes", "_fps", "num_blocks")
+    The blocks the memo knows are taken at the first read (dict lookups, no hashing); past
+    them every reader shares one ``kvflow.hashing.chain_hashes`` iterator, so each block is
+    hashed once, when the first reader reaches it.
+    """
+
+    __slots__ = ("_cache", "_tokens", "_extra", "_first", "_hashes", "_digests", "_keys", "_chain", "num_blocks")
 
     def __init__(
         self,
@@ -115,131 +109,104 @@ class RequestHashes:
         self._cache = cache
         self._tokens = token_ids
         self._extra = extra
-        self._first = first
-        self._parent = cache._root
+        self._first = extra if first is None else first
         self._hashes: list[int] = []
-        self._fps: list[int] | None = None
+        self._digests: list[BlockHash] = []
+        """Full hashes of the blocks hashed here, not yet memoised."""
+        self._keys: Sequence[Any] | None = None
+        self._chain: Iterator[BlockHash] | None = None
         self.num_blocks = len(token_ids) // cache.block_size
 
     def __len__(self) -> int:
         return self.num_blocks
 
-    def get(self, i: int) -> int:
-        hashes = self._hashes
-        if i < len(hashes):
-            return hashes[i]
-        if i == len(hashes):
-            self._extend()
-        else:
-            if i >= self.num_blocks:
-                raise IndexError("block index past the last full block")
-            self._hash_until(i + 1)
-        return hashes[i]
-
     def __iter__(self) -> Iterator[int]:
-        """The chain, lazily: memoised hashes in one tight loop, the rest SHA-hashed on demand."""
-        self._take_memoised()  # block 0 with keys of its own is hashed there, if at all
-        hashes = self._hashes
-        yield from hashes
-        i, n = len(hashes), self.num_blocks
-        if i >= n:
-            return
-        # A cold prompt's walk hashes block after block: the per-block work is inlined.
-        cache, fps, extra, tokens = self._cache, self._fps, self._extra, self._tokens
-        assert fps is not None  # _take_memoised computed them
-        memo, fn, bs = cache._memo, cache._fn, cache.block_size
-        while i < n:
-            if i == len(hashes):  # else another reader hashed further meanwhile
-                key = fps[i] if extra is None else (fps[i], extra)
-                found = memo.get(key)
-                if found is None:
-                    if len(memo) >= cache.capacity:
-                        memo.clear()  # as in BlockHashCache._store
-                    full = hash_block_tokens(fn, self._parent, tokens[i * bs : (i + 1) * bs], extra)
-                    found = memo[key] = (full, int.from_bytes(full[-8:], "big"))
-                    cache.misses += 1
-                else:
-                    cache.hits += 1
-                self._parent = found[0]
-                hashes.append(found[1])
-            yield hashes[i]
-            i += 1
+        return self.iter_from(0)
 
-    def _take_memoised(self) -> None:
-        hashes = self._hashes
-        if len(hashes) >= self.num_blocks:
-            return
-        if self._fps is None:
-            self._fps = self._cache.fingerprints(self._tokens)
-        memo = self._cache._memo
-        extra = self._extra
-        parent = self._parent
-        start = len(hashes)
-        if start == 0 and self._first != extra:
-            self._extend()  # block 0 has keys of its own (cache salt)
-            parent, start = self._parent, 1
-        for fp in self._fps[start:]:
-            found = memo.get(fp if extra is None else (fp, extra))
-            if found is None:
-                break
-            parent, external = found
-            hashes.append(external)
-        self._parent = parent
-
-    def all(self) -> list[int]:
-        self._hash_until(self.num_blocks)
+    def known(self) -> list[int]:
+        """The hashes computed so far (the memoised ones at least), computing no more."""
+        if self._keys is None:
+            self._take_memoised()
         return self._hashes
 
-    def _hash_until(self, stop: int) -> None:
-        """Blocks up to ``stop`` in one loop: a memo hit, else hashed (and memoised) vLLM's way.
+    def iter_from(self, i: int) -> Iterator[int]:
+        """The chain from block ``i``, hashed as far as it is read."""
+        hashes = self.known()
+        if len(hashes) == self.num_blocks:
+            return iter(hashes[i:] if i else hashes)  # all known: a plain list iterator
+        return self._read(i)
 
-        ``all()`` (the prefix indexes learning a routed request) walks every block, so the
-        per-block work is inlined here rather than a call chain per block.
-        """
-        hashes = self._hashes
-        if len(hashes) >= stop:
-            return
-        if not hashes and self._first != self._extra:
-            self._extend()  # block 0 has keys of its own (cache salt)
-        cache = self._cache
-        if self._fps is None:
-            self._fps = cache.fingerprints(self._tokens)
-        fps, memo, extra, tokens, bs = self._fps, cache._memo, self._extra, self._tokens, cache.block_size
-        fn, capacity, parent, append = cache._fn, cache.capacity, self._parent, hashes.append
-        start = len(hashes)
-        misses = 0
-        for i in range(start, stop):
-            key = fps[i] if extra is None else (fps[i], extra)
+    def all(self) -> list[int]:
+        """Every block's hash (the prefix indexes learning where a request went)."""
+        if len(self._hashes) < self.num_blocks:
+            for _ in self:
+                pass
+        return self._hashes
+
+    def _take_memoised(self) -> None:
+        """The leading blocks the memo knows; the chain iterator for the rest."""
+        cache, hashes, n = self._cache, self._hashes, self.num_blocks
+        values = as_int64(self._tokens)
+        if values is None:
+            raise InvalidRequestError("prompt token ids must be integers in the int64 range", param="prompt")
+        fingerprints = cache.fingerprints(values)
+        extra, first = self._extra, self._first
+        keys: Sequence[Any] = fingerprints
+        if extra is not None or first is not None:
+            keys = [(fp, first if i == 0 else extra) for i, fp in enumerate(fingerprints)]
+        self._keys = keys
+        memo, parent = cache._memo, cache._root
+        for key in keys:
             found = memo.get(key)
             if found is None:
-                if len(memo) >= capacity:
-                    memo.clear()  # as in BlockHashCache._store
-                full = hash_block_tokens(fn, parent, tokens[i * bs : (i + 1) * bs], extra)
-                found = memo[key] = (full, int.from_bytes(full[-8:], "big"))
-                misses += 1
-            parent = found[0]
-            append(found[1])
-        self._parent = parent
-        cache.misses += misses
-        cache.hits += stop - start - misses
+                break
+            parent, h = found
+            hashes.append(h)
+        cache.hits += len(hashes)
+        if len(hashes) == n:
+            return
+        if len(memo) + n - len(hashes) > cache.capacity:
+            # Dropping everything is cheaper than LRU bookkeeping on every hit, and a shared
+            # prompt is back in the memo after one request.
+            memo.clear()
+        self._chain = chain_hashes(
+            self._tokens,
+            cache.block_size,
+            parent,
+            algo=cache.algo,
+            start=len(hashes),
+            extra_keys=extra,
+            first_extra_keys=first,
+            values=values,
+        )
 
-    def _extend(self) -> None:
-        """Hash one more block (the prefix walk asks block by block, and may stop at any)."""
-        hashes = self._hashes
-        i = len(hashes)
-        if i >= self.num_blocks:
-            raise IndexError("block index past the last full block")
-        cache = self._cache
-        fps = self._fps
-        if fps is None:
-            fps = self._fps = cache.fingerprints(self._tokens)
-        extra = self._first if i == 0 else self._extra
-        key = fps[i] if extra is None else (fps[i], extra)
-        found = cache._memo.get(key)
-        if found is None:
-            bs = cache.block_size
-            found = cache._store(key, self._parent, self._tokens[i * bs : (i + 1) * bs], extra)
-        else:
-            cache.hits += 1
-        self._parent = found[0]
-        hashes.append(found[1])
+    def _read(self, i: int) -> Iterator[int]:
+        """The chain from block ``i``: computed ones at list speed, then the shared chain
+        iterator. What was hashed is memoised when the reader stops (a walk stops early)."""
+        hashes, digests, chain = self._hashes, self._digests, self._chain
+        assert chain is not None
+        if i < len(hashes):
+            yield from itertools.islice(hashes, i, None)  # also yields what others append meanwhile
+            i = len(hashes)
+        try:
+            for digest in chain:
+                h = unpack_external(digest)[0]
+                hashes.append(h)
+                digests.append(digest)
+                k = len(hashes) - 1
+                if k != i:
+                    if k < i:  # not yet at the block this reader starts from
+                        continue
+                    yield from hashes[i:k]  # another reader went further while this one paused
+                yield h
+                i = k + 1
+        finally:
+            self._memoise()
+
+    def _memoise(self) -> None:
+        hashes, digests, keys = self._hashes, self._digests, self._keys
+        if digests and keys is not None:
+            first = len(hashes) - len(digests)
+            self._cache._memo.update(zip(keys[first : len(hashes)], zip(digests, hashes[first:])))
+            self._cache.misses += len(digests)
+            digests.clear()

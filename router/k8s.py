@@ -19,6 +19,7 @@ from kvflow.endpoints import Endpoint, Role
 log = logging.getLogger(__name__)
 
 MODELS_ANNOTATION = "kvflow.dev/models"
+REVISION_LABEL = "kvflow.io/revision"
 POOL_GROUPS = (("inference.networking.k8s.io", "v1"), ("inference.networking.x-k8s.io", "v1alpha2"))
 
 
@@ -50,7 +51,9 @@ def pod_endpoint(pod: Mapping[str, Any], port: int, role_label: str = "llm-d.ai/
     role_text = (meta.get("labels") or {}).get(role_label, "both")
     role = Role(role_text) if role_text in Role._value2member_map_ else Role.BOTH
     models = (meta.get("annotations") or {}).get(MODELS_ANNOTATION, "")
-    return Endpoint(ip, port, role=role, models=frozenset(m for m in models.split(",") if m), name=meta.get("name", ""))
+    revision = (meta.get("labels") or {}).get(REVISION_LABEL, "")
+    return Endpoint(ip, port, role=role, models=frozenset(m for m in models.split(",") if m),
+                    name=meta.get("name", ""), revision=revision)
 
 
 def pod_endpoints(pods: Sequence[Mapping[str, Any]], port: int, role_label: str = "llm-d.ai/role") -> list[Endpoint]:

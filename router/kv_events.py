@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvflow.hashing import external_int
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.throttle import ThrottledLog
 from kvflow.endpoints import Endpoint, EndpointId
@@ -69,7 +70,7 @@ def _ext(h: Any) -> int:
     if isinstance(h, (bytes, bytearray)):
         if not 0 < len(h) <= 64:
             raise BadEvent(f"block hash of {len(h)} bytes")
-        return int.from_bytes(bytes(h)[-8:], "big")
+        return external_int(h)
     if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 64:
         raise BadEvent(f"block hash {h!r:.40} is not a 64-bit unsigned int or a digest")
     return h
@@ -147,7 +148,7 @@ def apply(
                 speculative.clear(endpoint)
             continue
         if speculative is not None:
-            speculative.index.remove(endpoint, event.block_hashes)
+            speculative.discard(endpoint, event.block_hashes)
 
 
 Counted = Callable[[EndpointId, str], None]
@@ -177,12 +178,16 @@ class KvEventSubscriber:
         self._tasks: dict[EndpointId, asyncio.Task[None]] = {}
         self.last_seq: dict[EndpointId, int] = {}
 
-    def add(self, endpoint: Endpoint, address: str, replay: str | None = None) -> None:
-        """Subscribe to ``address``; ``replay`` is the pod's replay socket, asked for missed batches."""
-        if endpoint.id not in self._tasks:
-            self._tasks[endpoint.id] = asyncio.create_task(
-                self._run(endpoint.id, address, replay), name=f"kv-events {address}"
-            )
+    def add(self, endpoint: Endpoint, address: str | Sequence[str], replay: str | None = None) -> None:
+        """Subscribe to ``address``, or to each of several (a data-parallel pod publishes one
+        stream per rank, each with its own sequence numbers); ``replay`` is the pod's (first
+        rank's) replay socket, asked for missed batches."""
+        if endpoint.id in self._tasks:
+            return
+        addresses = [address] if isinstance(address, str) else list(address)
+        runs = [self._run(endpoint.id, a, replay if rank == 0 else None, rank) for rank, a in enumerate(addresses)]
+        self._tasks[endpoint.id] = asyncio.create_task(
+            runs[0] if len(runs) == 1 else _all(runs), name=f"kv-events {addresses[0]}")
 
     async def remove(self, endpoint_id: EndpointId) -> None:
         task = self._tasks.pop(endpoint_id, None)
@@ -191,7 +196,8 @@ class KvEventSubscriber:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.index.clear(endpoint_id)
-        self.last_seq.pop(endpoint_id, None)
+        for stream in [s for s in self.last_seq if s == endpoint_id or s.startswith(f"{endpoint_id}#")]:
+            del self.last_seq[stream]
         self.heard.discard(endpoint_id)
 
     async def close(self) -> None:
@@ -199,14 +205,14 @@ class KvEventSubscriber:
             await self.remove(eid)
         self._ctx.destroy(linger=0)
 
-    async def _run(self, endpoint_id: EndpointId, address: str, replay: str | None) -> None:
+    async def _run(self, endpoint_id: EndpointId, address: str, replay: str | None, rank: int = 0) -> None:
         """Subscribe for as long as the endpoint is in the pool: a subscriber that fails for any
         reason is logged, counted and started again (its index is kept: the sequence numbers
         tell whether batches were missed)."""
         backoff = RESTART_BACKOFF[0]
         while True:
             try:
-                await self._subscribe(endpoint_id, address, replay)
+                await self._subscribe(endpoint_id, address, replay, rank)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - whatever broke, the pod's events must keep flowing
@@ -219,7 +225,8 @@ class KvEventSubscriber:
         if self.on_problem is not None:
             self.on_problem(endpoint_id, kind)
 
-    async def _subscribe(self, endpoint_id: EndpointId, address: str, replay: str | None) -> None:
+    async def _subscribe(self, endpoint_id: EndpointId, address: str, replay: str | None, rank: int = 0) -> None:
+        stream = endpoint_id if rank == 0 else EndpointId(f"{endpoint_id}#{rank}")  # sequence numbers per rank
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.LINGER, 0)
@@ -230,10 +237,10 @@ class KvEventSubscriber:
                 if len(frames) < 2:
                     continue
                 seq = int.from_bytes(frames[1], "big") if len(frames) >= 3 and len(frames[1]) == 8 else None
-                last = self.last_seq.get(endpoint_id)
+                last = self.last_seq.get(stream)
                 if replay and seq is not None and last is not None and seq > last + 1:
                     await self._replay(endpoint_id, replay, last + 1, seq)
-                self._handle(endpoint_id, seq, frames[-1])
+                self._handle(endpoint_id, seq, frames[-1], stream)
         finally:
             sock.close(linger=0)
 
@@ -252,13 +259,15 @@ class KvEventSubscriber:
             if first <= seq < upto:
                 self._handle(endpoint_id, seq, payload)
 
-    def _handle(self, endpoint_id: EndpointId, seq: int | None, payload: bytes) -> None:
+    def _handle(self, endpoint_id: EndpointId, seq: int | None, payload: bytes,
+                stream: EndpointId | None = None) -> None:
+        stream = stream or endpoint_id
         if seq is not None:
-            last = self.last_seq.get(endpoint_id)
+            last = self.last_seq.get(stream)
             if last is not None and seq <= last:
                 # The publisher restarted: whatever we knew about its cache is gone.
                 self.index.clear(endpoint_id)
-            self.last_seq[endpoint_id] = seq
+            self.last_seq[stream] = seq
         try:
             events = decode_batch(payload)
         except (BadEvent, TypeError, IndexError, AttributeError) as exc:
@@ -293,3 +302,8 @@ async def fetch_replay(
             batches.append((int.from_bytes(frames[-2], "big"), frames[-1]))
     finally:
         sock.close(linger=0)
+
+
+async def _all(runs: list[Any]) -> None:
+    """Run one subscription per rank; cancelling the task cancels them all."""
+    await asyncio.gather(*runs)

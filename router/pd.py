@@ -49,6 +49,14 @@ def cached_blocks(cycle: Cycle, endpoint: EndpointView, approx: ApproxPrefixInde
     return prefix_matches(cycle, "approx", approx).get(endpoint.id, 0)
 
 
+def same_revision(prefillers: Sequence[EndpointView], decode: EndpointView) -> Sequence[EndpointView]:
+    """Prefill pods whose KV cache the decode pod can use: the same model revision. During a
+    rollout old and new pods coexist; pairing across revisions would hand a decode pod KV
+    blocks computed by other weights."""
+    revision = decode.endpoint.revision
+    return [p for p in prefillers if p.endpoint.revision == revision]
+
+
 def decide(
     cycle: Cycle,
     decoders: Sequence[EndpointView],
@@ -66,6 +74,7 @@ def decide(
     if not run.targets:
         raise NoCapacityError(f"no endpoint can serve model {cycle.request.model!r}")
     pick = run.targets[0]
+    prefillers = same_revision(prefillers, pick)
     may_split = policy.enabled and bool(prefillers)
     prefixes = profile.reads_prefixes or may_split
     cached = 0

@@ -149,7 +149,7 @@ class Router:
                 self.precise, self._on_kv_event, self.speculative, self.event_sources, self._on_kv_problem
             )
             for ep in self.datastore.endpoints:
-                self._kv.add(ep, self.config.kv_events_address(ep), self.config.kv_replay_endpoints.get(ep.id))
+                self._kv.add(ep, self.config.kv_events_addresses(ep), self.config.kv_replay_endpoints.get(ep.id))
 
     async def stop(self) -> None:
         if self._watcher is not None:
@@ -280,6 +280,17 @@ class Router:
             flight.first_token(observe=False)
             flight.finish()
 
+    def refresh_gauges(self) -> None:
+        """Set the per-endpoint gauges (in flight, routable) and index sizes: called when the
+        metrics are read (the standalone router's /metrics, the gateway's), not per request."""
+        pool, m = self.config.pool_name, self.metrics
+        m.flush_scores()
+        for view in self.datastore.snapshot():
+            m.in_flight.labels(pool, view.id).set(view.in_flight)
+            m.healthy.labels(pool, view.id).set(1 if view.healthy else 0)
+        m.index_blocks.labels(pool, "approx").set(len(self.approx))
+        m.index_blocks.labels(pool, "precise").set(len(self.precise))
+
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.datastore.mark_failed(endpoint.id)
 
@@ -307,6 +318,7 @@ class Router:
     def _on_metrics(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         if metrics.num_blocks:
             self.approx.set_capacity(endpoint.id, metrics.num_blocks)
+            self.precise.set_capacity(endpoint.id, metrics.num_blocks)
 
     def _on_kv_event(self, endpoint_id: str, kind: str) -> None:
         self.metrics.kv_events.labels(self.config.pool_name, endpoint_id, kind).inc()
@@ -320,7 +332,7 @@ class Router:
                 self._scraper.add(endpoint)
             if self._kv is not None:
                 self._kv.add(
-                    endpoint, self.config.kv_events_address(endpoint), self.config.kv_replay_endpoints.get(endpoint.id)
+                    endpoint, self.config.kv_events_addresses(endpoint), self.config.kv_replay_endpoints.get(endpoint.id)
                 )
             return
         self.approx.clear(endpoint.id)

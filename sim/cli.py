@@ -32,6 +32,7 @@ from kvflow.sim.request import HashConfig, LoraAdapter
 from kvflow.sim.sampler import Sampler
 from kvflow.sim.scheduler import Scheduler, SchedulerConfig
 from kvflow.sim.server import SimState, build_app
+from kvflow.sim.validation import ToolConfig
 from kvflow.sim.shapes import system_fingerprint
 from kvflow.tokenizer import load_tokenizer
 
@@ -55,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     a("--max-model-len", type=int, default=8192)
     a("--seed", type=int, default=0)
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    a("--enable-server-load-tracking", action="store_true", help="GET /load counts in-flight requests (as vLLM)")
+    a("--enable-auto-tool-choice", action="store_true", help="accept tool_choice auto (as vLLM; no calls are parsed)")
+    a("--tool-call-parser", default=None, help="accept required and named tool choices (as vLLM; no calls are parsed)")
     a("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS)
     a("--lora-modules", nargs="+", default=[], help="name=path or JSON {\"name\":..,\"path\":..}")
     a("--enable-lora", action="store_true")
@@ -72,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     a("--fault-stall-after", type=int, default=None)
     a("--fault-slow-factor", type=float, default=1.0)
     a("--fault-crash-after", type=int, default=None)
+    a("--enable-admin-routes", action="store_true",
+      help="serve /_sim/faults and /_sim/state (tests: faults at run time); off, nobody can inject faults")
     a("--log-level", default="WARNING")
     return p
 
@@ -98,10 +104,13 @@ def apply_kv_events_config(args: argparse.Namespace) -> None:
 
 def build_state(args: argparse.Namespace) -> SimState:
     """Wire the simulator's parts from the command line (no I/O beyond loading a tokenizer)."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")  # vLLM's start-up check
     profile = get_profile(args.profile)
     tokenizer = load_tokenizer(_tokenizer_path(args))
     served = tuple(args.served_model_name or [args.model])
-    scheduler = _scheduler(args, profile, Sampler(tokenizer))
+    sampler = Sampler(tokenizer)
+    scheduler = _scheduler(args, profile, sampler)
     loras = {a.name: a for a in (parse_lora(s, i + 1) for i, s in enumerate(args.lora_modules))}
     metrics = _metrics(args, served[0], scheduler.config.num_blocks, lora=bool(loras) or args.enable_lora)
     faults = Faults(args.fault_fail_rate, args.fault_stall_after, args.fault_slow_factor, args.fault_crash_after)
@@ -118,7 +127,9 @@ def build_state(args: argparse.Namespace) -> SimState:
         engine=engine, tokenizer=tokenizer, metrics=metrics, faults=faults, served_names=served,
         model_root=args.model, max_model_len=args.max_model_len,
         hash_config=HashConfig(args.block_size, seed, args.prefix_caching_hash_algo),
-        seed=args.seed, loras=loras, role=args.role, fingerprint=system_fingerprint(served[0]),
+        seed=args.seed, sampler=sampler, loras=loras, role=args.role, fingerprint=system_fingerprint(served[0]),
+        load_tracking=args.enable_server_load_tracking,
+        tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
     )
 
 
@@ -164,7 +175,7 @@ def _transfer(args: argparse.Namespace, profile: Profile) -> KVTransfer:
 
 async def serve(args: argparse.Namespace) -> None:
     state = build_state(args)
-    app = build_app(state)
+    app = build_app(state, admin_routes=args.enable_admin_routes)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await state.engine.start()

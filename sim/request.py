@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.hashing import BlockHash, block_extra_keys, hash_block_tokens, hash_fn, none_hash
+from kvflow.hashing import BlockHash, block_extra_keys, chain_hashes, none_hash
 
 
 class Status(enum.Enum):
@@ -43,11 +43,10 @@ class BlockHasher:
     ``("cache_salt", salt)`` on the first block only — as ``generate_block_hash_extra_keys`` does.
     """
 
-    __slots__ = ("_cfg", "_fn", "_lora", "_salt", "hashes")
+    __slots__ = ("_cfg", "_lora", "_salt", "hashes")
 
     def __init__(self, cfg: HashConfig, lora: LoraAdapter | None, cache_salt: str | None) -> None:
         self._cfg = cfg
-        self._fn = hash_fn(cfg.algo)
         self._lora = lora
         self._salt = cache_salt
         self.hashes: list[BlockHash] = []
@@ -62,12 +61,13 @@ class BlockHasher:
         return None if keys is None else tuple(k[1] for k in keys)
 
     def update(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        bs = self._cfg.block_size
-        parent = self.hashes[-1] if self.hashes else none_hash(self._cfg.seed, self._cfg.algo)
-        for i in range(len(self.hashes), len(token_ids) // bs):
-            parent = hash_block_tokens(self._fn, parent, token_ids[i * bs : (i + 1) * bs], self.extra_keys(i))
-            self.hashes.append(parent)
-        return self.hashes
+        cfg, hashes = self._cfg, self.hashes
+        parent = hashes[-1] if hashes else none_hash(cfg.seed, cfg.algo)
+        hashes.extend(
+            chain_hashes(token_ids, cfg.block_size, parent, algo=cfg.algo, start=len(hashes),
+                         extra_keys=self.extra_keys(1), first_extra_keys=self.extra_keys(0))
+        )
+        return hashes
 
 
 Notify = Callable[[], None]

@@ -3,11 +3,16 @@
 Each word encodes to exactly one token with the served tokenizer, so token ids, text and usage
 counts agree with each other (and with what the router would tokenize). The draw uses the
 request's own ``random.Random`` (seeded from the request's ``seed`` or the server's ``--seed``).
+
+Log-probabilities are shaped like a small random model's (vLLM serving the tiny test model): the
+chosen token near -7.5 with a rank far down the vocabulary, alternatives ranked 1..k just above
+it. They are a function of (token, position) only, so a stream and a plain answer agree.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from kvflow.sim.request import SimRequest
 from kvflow.tokenizer import Tokenizer
@@ -20,6 +25,13 @@ _WORDS = (  # noqa: SIM905 - a word list reads better as prose
     "block router engine request server stream batch queue prefix decode prefill memory latency ready "
     "fast light river stone cloud garden window"
 ).split()
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
 
 
 class Sampler:
@@ -45,3 +57,12 @@ class Sampler:
             token_id = forced[len(req.output_ids)]
             return token_id, self._tokenizer.decode([token_id])
         return self.sample(req.rng)
+
+    def logprobs(self, token_id: int, position: int, k: int) -> list[Logprob]:
+        """The chosen token first, then the top ``k`` others, as vLLM's engine returns them."""
+        rng = random.Random(token_id * 1_000_003 + position)
+        chosen = Logprob(token_id, -rng.uniform(6.5, 8.2), rng.randint(k + 1, k + 2000))
+        others = [t for t, _ in self.vocab if t != token_id]
+        picks = rng.sample(others, min(k, len(others)))
+        top = -rng.uniform(6.0, 6.5)
+        return [chosen, *(Logprob(t, top - 0.05 * i, i + 1) for i, t in enumerate(picks))]

@@ -1,11 +1,16 @@
 """The simulator's HTTP face: vLLM's OpenAI routes, /metrics, /health, and test-only admin routes.
 
-Thin by design: validate the body (kvflow.openai_api), turn it into a ``SimRequest``, hand it to
-the engine, and stream what the engine produces. Every error leaves as OpenAI's error JSON.
+Thin by design: check the body as vLLM does (``kvflow.openai_api``, then ``sim.validation``),
+turn each choice of each prompt into a ``SimRequest`` for the engine, and answer with what
+``sim.choices`` makes of their outputs. Every error leaves as vLLM's error JSON.
 
-Admin routes (simulator only, under ``/_sim``): ``GET|POST /_sim/faults``, ``GET /_sim/state``,
-``POST /_sim/kv/pull`` (the modelled P/D transfer's handshake). ``POST /reset_prefix_cache`` is
-vLLM's own development route.
+vLLM's routes: ``POST /v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
+``/detokenize``, ``GET|POST /ping``, ``GET /load`` (in-flight requests with
+``--enable-server-load-tracking``), ``/health``, ``/metrics``, ``/version``, ``/v1/models`` and
+the development route ``POST /reset_prefix_cache``. Admin routes (simulator only, under
+``/_sim``): ``GET|POST /_sim/faults`` and ``GET /_sim/state`` only with ``admin_routes``
+(``kvflow sim --enable-admin-routes``: tests inject faults; nobody else may), and
+``POST /_sim/kv/pull`` (the modelled P/D transfer's handshake between pods).
 """
 
 from __future__ import annotations
@@ -15,19 +20,25 @@ import logging
 import os
 import random
 import time
+import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from kvflow import openai_api
 from kvflow.errors import InvalidRequestError, KvflowError, from_exception
 from kvflow.openai_api import ChatCompletionRequest, CompletionRequest
 from kvflow.sim import shapes, validation
+from kvflow.sim.choices import Choice, Generation, Options
 from kvflow.sim.engine import Engine
 from kvflow.sim.faults import Faults
 from kvflow.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvflow.sim.request import BlockHasher, HashConfig, LoraAdapter, SimRequest
-from kvflow.tokenizer import Tokenizer, prompt_token_ids
+from kvflow.sim.sampler import Sampler
+from kvflow.sim.validation import Limits, Prompt, Sampling
+from kvflow.tokenizer import Tokenizer, chat_token_ids, conversation
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +54,28 @@ class SimState:
     max_model_len: int
     hash_config: HashConfig
     seed: int
+    sampler: Sampler | None = None
     loras: dict[str, LoraAdapter] = field(default_factory=dict)
     role: str = "both"
     fingerprint: str = ""
+    load_tracking: bool = False
+    """vLLM's ``--enable-server-load-tracking``: ``/load`` counts in-flight generation requests."""
+    tools: validation.ToolConfig = field(default_factory=validation.ToolConfig)
     created: int = field(default_factory=lambda: int(time.time()))
     requests_seen: int = 0
+    server_load: int = 0
     rng: random.Random = field(default_factory=random.Random)
     """Draws for the fail-rate fault; seeded from --seed so a faulty run is reproducible."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
         self.rng.seed(self.seed)
+        if self.sampler is None:
+            self.sampler = Sampler(self.tokenizer)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_model_len, self.tokenizer.vocab_size, self.tokenizer.max_chars_per_token)
 
     def next_seed(self) -> int:
         self._seq += 1
@@ -94,29 +116,88 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 # -- OpenAI routes -------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
+    state = request.app[STATE]
+    req: CompletionRequest = openai_api.validate("completions", openai_api.decode_json(await request.read()))
+    return await _load_aware(state, lambda: _complete(request, state, req))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=True)
-
-
-async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
-    body = validation.parse_body(await request.read())
-    parsed = validation.validate(chat, body)
-    _admit(state)
-    req, head = _build_request(state, request, body, parsed, chat=chat)
-    wake = asyncio.Event()
-    req.notify = wake.set
-    state.engine.submit(req)
+    body = openai_api.decode_json(await request.read())
+    req: ChatCompletionRequest = openai_api.validate("chat", body)
+    return await _load_aware(state, lambda: _chat(request, state, req, body))
+
+
+async def _load_aware(state: SimState, handle: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """vLLM's ``load_aware_call``: a request counts from its handler's start to its response's end."""
+    if state.load_tracking:
+        state.server_load += 1
     try:
-        if parsed.stream:
-            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            return await _stream(request, state, req, head, wake, chat=chat, include_usage=include_usage)
-        return await _respond(state, req, head, wake, chat=chat)
+        return await handle()
+    finally:
+        if state.load_tracking:
+            state.server_load -= 1
+
+
+async def _complete(request: web.Request, state: SimState, req: CompletionRequest) -> web.StreamResponse:
+    validation.check_beam_stream(req)
+    model = validation.resolve_model(req.model, state.served_names, list(state.loras))
+    limits = state.limits
+    prompts = validation.completion_prompts(req, state.tokenizer, limits)
+    params = [validation.sampling(req, validation.max_tokens_for(req.max_tokens, len(p.token_ids), limits,
+                                                                  req.truncate_prompt_tokens)) for p in prompts]
+    include_usage, continuous = _usage_options(req)
+    options = Options(chat=False, stream=bool(req.stream), echo=bool(req.echo),
+                      return_token_ids=bool(req.return_token_ids), include_usage=include_usage,
+                      continuous_usage=continuous)
+    return await _run(request, state, req, model, "cmpl", prompts, params, options)
+
+
+async def _chat(request: web.Request, state: SimState, req: ChatCompletionRequest,
+                body: dict[str, Any]) -> web.StreamResponse:
+    model = validation.resolve_model(req.model, state.served_names, list(state.loras))
+    limits = state.limits
+    prompt = validation.chat_prompt(req, body, state.tokenizer, limits, state.tools)
+    params = validation.sampling(req, validation.max_tokens_for(req.output_limit(), len(prompt.token_ids), limits,
+                                                                 req.truncate_prompt_tokens))
+    role = "assistant" if req.add_generation_prompt else body["messages"][-1]["role"]
+    conv = conversation(body["messages"], state.tokenizer.chat_template)
+    echo_text = conv[-1]["content"] if req.echo and conv and conv[-1]["role"] == role else ""
+    include_usage, continuous = _usage_options(req)
+    options = Options(chat=True, stream=bool(req.stream), echo=req.echo, return_token_ids=bool(req.return_token_ids),
+                      include_usage=include_usage, continuous_usage=continuous, role=role, echo_text=echo_text)
+    return await _run(request, state, req, model, "chatcmpl", [prompt], [params], options)
+
+
+def _usage_options(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """vLLM's ``should_include_usage``: (final usage chunk, usage on every chunk)."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts and opts.continuous_usage_stats)
+
+
+async def _run(request: web.Request, state: SimState, req: CompletionRequest | ChatCompletionRequest, model: str,
+               prefix: str, prompts: list[Prompt], params: list[Sampling], options: Options) -> web.StreamResponse:
+    error = validation.engine_error(prompts, params, state.tokenizer, state.limits)
+    base_id = request.headers.get("X-Request-Id") or req.request_id or shapes.random_id()
+    head = shapes.Head(f"{prefix}-{base_id}", int(time.time()), model, state.fingerprint)
+    if error is not None:
+        if not options.stream:
+            raise error
+        return await _stream_error(request, error)
+    _admit(state)
+    gen = _generation(state, req, model, head.id, prompts, params, options)
+    wake = asyncio.Event()
+    for r in gen.requests:
+        r.notify = wake.set
+        state.engine.submit(r)
+    try:
+        if options.stream:
+            return await _stream(request, state, gen, head, wake)
+        return await _respond(state, gen, head, wake)
     except (asyncio.CancelledError, ConnectionResetError):
-        state.engine.abort(req.request_id)
+        for r in gen.requests:
+            state.engine.abort(r.request_id)
         raise
 
 
@@ -130,100 +211,117 @@ def _admit(state: SimState) -> None:
         raise KvflowError("simulated engine failure (fault injection)")
 
 
-def _build_request(
-    state: SimState, request: web.Request, body: dict[str, Any],
-    parsed: CompletionRequest | ChatCompletionRequest, *, chat: bool,
-) -> tuple[SimRequest, shapes.Head]:
-    lora = state.loras.get(parsed.model)
-    if lora is None and parsed.model not in state.served_names:
-        raise validation.unknown_model(parsed.model, [*state.served_names, *state.loras])
-    prompt = prompt_token_ids(state.tokenizer, body)
-    from_text = chat or isinstance(body.get("prompt"), str) or _is_text_list(body.get("prompt"))
-    validation.check_prompt_length(len(prompt), state.max_model_len, from_text=from_text)
-    wanted = parsed.output_limit() if isinstance(parsed, ChatCompletionRequest) else parsed.max_tokens
-    room = state.max_model_len - len(prompt)
-    max_tokens = min(wanted, room) if wanted else room
-    stop = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
-    base_id = request.headers.get("X-Request-Id") or shapes.random_id()
-    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
-    req_id = f"{response_id}-0-{shapes.random_id()[:8]}"  # vLLM's internal id: response id, index, salt
-    seed = parsed.seed if parsed.seed is not None else state.next_seed()
-    xargs = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
+def _generation(state: SimState, req: CompletionRequest | ChatCompletionRequest, model: str, response_id: str,
+                prompts: list[Prompt], params: list[Sampling], options: Options) -> Generation:
+    """One engine request per choice per prompt, numbered as vLLM numbers them (prompt * n + choice)."""
+    lora = state.loras.get(model)
+    xargs = req.vllm_xargs or {}
     forced = xargs.get(FORCED_OUTPUT_XARG)
-    req = SimRequest(
-        request_id=req_id,
-        prompt_ids=prompt,
-        max_tokens=max_tokens,
-        hasher=BlockHasher(state.hash_config, lora, parsed.cache_salt),
-        rng=random.Random(seed),
-        arrival=time.monotonic(),
-        stop=tuple(s for s in stop if s),
-        lora=lora,
-        kv_transfer_params=parsed.kv_transfer_params,
-        forced_output=[int(t) for t in forced] if isinstance(forced, list) else None,
-        report_full_cache=xargs.get("kv_cache_report_mode") == "full",
-    )
-    return req, shapes.Head(response_id, int(time.time()), parsed.model, state.fingerprint)
+    choices = []
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        parent = f"{response_id}-{i}-{shapes.random_id()[:8]}"  # vLLM's internal id: response id, prompt, salt
+        for j in range(p.n):
+            seed = _seed(state, p, prompt, j)
+            sim_req = SimRequest(
+                request_id=parent if p.n == 1 else f"{j}_{parent}",
+                prompt_ids=prompt.token_ids,
+                max_tokens=p.max_tokens,
+                hasher=BlockHasher(state.hash_config, lora, req.cache_salt),
+                rng=random.Random(seed),
+                arrival=time.monotonic(),
+                stop=p.stop,
+                lora=lora,
+                kv_transfer_params=req.kv_transfer_params,
+                forced_output=[int(t) for t in forced] if isinstance(forced, list) else None,
+                report_full_cache=xargs.get("kv_cache_report_mode") == "full",
+            )
+            choices.append(Choice(i * p.n + j, i, prompt, p, sim_req))
+    assert state.sampler is not None
+    return Generation(options, choices, state.tokenizer, state.sampler, prompts)
 
 
-def _is_text_list(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str)
+def _seed(state: SimState, p: Sampling, prompt: Prompt, child: int) -> int:
+    """vLLM gives child ``j`` of a seeded request ``seed + j``; greedy output depends on the prompt only."""
+    if p.seed is not None:
+        return p.seed + child
+    if p.temperature < validation.GREEDY_EPS:
+        return zlib.crc32(repr(prompt.token_ids).encode())
+    return state.next_seed()
 
 
 async def _stall_forever() -> None:
     await asyncio.Event().wait()
 
 
-def _result(req: SimRequest) -> shapes.Result:
-    return shapes.Result(req.text, req.finish_reason, req.stop_reason, req.num_prompt_tokens, len(req.output_ids),
-                         req.kv_transfer_out)
-
-
-async def _respond(
-    state: SimState, req: SimRequest, head: shapes.Head, wake: asyncio.Event, *, chat: bool
-) -> web.Response:
+async def _respond(state: SimState, gen: Generation, head: shapes.Head, wake: asyncio.Event) -> web.Response:
     stall = state.faults.stall_after_tokens
-    while not req.finished:
+    while not gen.finished:
         await wake.wait()
         wake.clear()
-        if stall is not None and len(req.output_ids) >= stall and not req.finished:
+        if stall is not None and gen.max_output() >= stall and not gen.finished:
             await _stall_forever()
-    build = shapes.chat_completion if chat else shapes.completion
-    return web.Response(body=shapes.dumps(build(head, _result(req))), content_type="application/json")
+    return web.Response(body=shapes.dumps(gen.body(head)), content_type="application/json")
 
 
-async def _stream(request: web.Request, state: SimState, req: SimRequest, head: shapes.Head, wake: asyncio.Event,
-                  *, chat: bool, include_usage: bool) -> web.StreamResponse:
+async def _stream_error(request: web.Request, error: KvflowError) -> web.StreamResponse:
+    """An engine refusal after the 200: one error event, then ``[DONE]``."""
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
-    fmt = shapes.StreamFormat(head, chat=chat, include_usage=include_usage)
-    first = fmt.first()
-    if first:
-        await response.write(first)
+    await response.write_eof(shapes.error_event(error.body()))
+    return response
+
+
+async def _stream(request: web.Request, state: SimState, gen: Generation, head: shapes.Head,
+                  wake: asyncio.Event) -> web.StreamResponse:
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+    fmt = shapes.StreamFormat(head, chat=gen.options.chat)
+    opening = b"".join(gen.opening(fmt))
+    if opening:
+        await response.write(opening)
     stall = state.faults.stall_after_tokens
     # like vLLM's detokenizer, hold back text that may turn out to be the start of a stop string
-    holdback = max((len(s) for s in req.stop), default=1) - 1
-    sent_text, sent_tokens = 0, 0
+    holdback = max((len(s) for c in gen.choices if not c.sampling.include_stop_str_in_output
+                    for s in c.sampling.stop), default=1) - 1
     while True:
         await wake.wait()
         wake.clear()
-        n = len(req.output_ids)
-        if n == sent_tokens and not req.finished:
-            continue
-        end = len(req.text) if req.finished else max(sent_text, len(req.text) - holdback)
-        text = req.text[sent_text:end]
-        sent_text, sent_tokens = end, n
-        if req.finished:
-            out = fmt.last(text, req.finish_reason or "abort", req.stop_reason)
-            if include_usage:
-                out += fmt.usage_chunk(req.num_prompt_tokens, n)
-            await response.write_eof(out + shapes.DONE)  # one write with the closing chunk
+        out, finished = gen.chunks(fmt, holdback)
+        if finished:
+            await response.write_eof(out + gen.closing(fmt) + shapes.DONE)  # one write with the closing chunks
             return response
-        await response.write(fmt.chunk(text))
-        if stall is not None and sent_tokens >= stall:
+        if out:
+            await response.write(out)
+        if stall is not None and gen.max_output() >= stall:
             await _stall_forever()
 
 
+# -- tokenizer routes -----------------------------------------------------------------------
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = openai_api.decode_json(await request.read())
+    req = openai_api.validate("tokenize", body)
+    validation.resolve_model(req.model, state.served_names, list(state.loras))
+    tok = state.tokenizer
+    if isinstance(req, openai_api.TokenizeChatRequest):
+        if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
+            raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is "
+                                      "not set. Refused request with untrusted chat template.")
+        ids = chat_token_ids(tok, body)
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = openai_api.validate("detokenize", openai_api.decode_json(await request.read()))
+    validation.resolve_model(req.model, state.served_names, list(state.loras))
+    return json_response({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+# -- the rest of vLLM's routes ----------------------------------------------------------------
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     cards = [shapes.model_card(name, state.model_root, state.created, state.max_model_len)
@@ -236,6 +334,10 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """200 with an empty body; 503 once the engine loop has died (vLLM's EngineDeadError)."""
     return web.Response(status=200 if request.app[STATE].engine.alive else 503)
+
+
+async def load(request: web.Request) -> web.Response:
+    return json_response({"server_load": request.app[STATE].server_load})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -259,7 +361,7 @@ async def get_faults(request: web.Request) -> web.Response:
 
 async def set_faults(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    patch = validation.parse_body(await request.read())
+    patch = openai_api.decode_json(await request.read())
     state.faults.update(patch)
     if patch.get("crash"):
         log.error("fault injection: crash requested")
@@ -281,7 +383,7 @@ async def sim_state(request: web.Request) -> web.Response:
 
 
 async def kv_pull(request: web.Request) -> web.Response:
-    body = validation.parse_body(await request.read())
+    body = openai_api.decode_json(await request.read())
     rid = body.get("remote_request_id")
     if not isinstance(rid, str):
         raise InvalidRequestError("remote_request_id must be a string", param="remote_request_id")
@@ -289,19 +391,25 @@ async def kv_pull(request: web.Request) -> web.Response:
     return json_response({"ok": ok, "reason": "" if ok else f"no pinned blocks for {rid}"})
 
 
-def build_app(state: SimState) -> web.Application:
+def build_app(state: SimState, *, admin_routes: bool = False) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
     app[STATE] = state
     state.metrics.http.instrument(app)  # vLLM's http_request* families
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
-    app.router.add_get("/_sim/faults", get_faults)
-    app.router.add_post("/_sim/faults", set_faults)
-    app.router.add_get("/_sim/state", sim_state)
+    if admin_routes:
+        app.router.add_get("/_sim/faults", get_faults)
+        app.router.add_post("/_sim/faults", set_faults)
+        app.router.add_get("/_sim/state", sim_state)
     app.router.add_post("/_sim/kv/pull", kv_pull)
     return app

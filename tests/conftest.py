@@ -5,7 +5,8 @@
         pods[0].url             # http://127.0.0.2:PORT
         pods[0].kv_events       # tcp://127.0.0.2:PORT to connect a SUB socket to (or None)
 
-Every pod is stopped when the test ends, pass or fail.
+Every pod is stopped when the test ends, pass or fail. The pods serve the simulator's admin
+routes (``/_sim/faults``, ``/_sim/state``), which ``kvflow sim`` leaves off unless asked.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def sim_pods(tmp_path: Path) -> Iterator[SimPodFactory]:
         for i in range(n):
             host = f"127.0.0.{first_host + started + i}"
             port = free_port(host)
-            argv = ["sim", "--host", host, "--port", str(port), *args]
+            argv = ["sim", "--host", host, "--port", str(port), "--enable-admin-routes", *args]
             kv = None
             if kv_events:
                 kv_port = free_port()

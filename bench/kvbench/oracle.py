@@ -76,6 +76,22 @@ class Policy(Protocol):
     def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int: ...
 
 
+class Observer(Protocol):
+    """What a policy that learns as it goes (a real router, ``kvbench.replay_kvflow``) also hears."""
+
+    scrape_interval: float
+    """Seconds between two ``scraped`` calls per pod (0: never)."""
+
+    def first_token(self, index: int, now: float) -> None: ...
+
+    def finished(self, index: int, now: float) -> None: ...
+
+    def stepped(self, pod: Pod, now: float) -> None:
+        """After each step: the pod's KV events (its scheduler records them) are the policy's to take."""
+
+    def scraped(self, pod: Pod, now: float) -> None: ...
+
+
 class RoundRobin:
     name = "round-robin"
 
@@ -159,7 +175,8 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
     config = SchedulerConfig(block_size=HASH.block_size, num_blocks=num_blocks,
                              max_num_batched_tokens=profile.max_num_batched_tokens, kv_transfer=False)
     sampler = _sampler()
-    fleet = [Pod(i, Scheduler(config, sampler, enable_events=False)) for i in range(pods)]
+    observer: Observer | None = policy if hasattr(policy, "stepped") else None  # type: ignore[assignment]
+    fleet = [Pod(i, Scheduler(config, sampler, enable_events=observer is not None)) for i in range(pods)]
     n = len(prepared)
     ttft, finished = [math.nan] * n, [math.nan] * n
     arrival = [0.0] * n
@@ -184,9 +201,21 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
     for p in prepared:
         if p.request.after is None:
             push(p.request.at, "send", p.request.index)
+    interval = observer.scrape_interval if observer is not None else 0.0
+    if interval > 0:
+        for pod in fleet:  # pods are scraped at phases spread over the interval, as the router does
+            push(interval * (pod.index + 0.5) / len(fleet), "scrape", pod.index)
+    pending_sends = sum(1 for p in prepared)
     while events:
         now, _, kind, what = heapq.heappop(events)
+        if kind == "scrape":
+            assert observer is not None
+            observer.scraped(fleet[what], now)
+            if pending_sends or any(p.plan is not None for p in fleet):
+                push(now + interval, "scrape", what)
+            continue
         if kind == "send":
+            pending_sends -= 1
             p = prepared[what]
             pod = fleet[policy.pick(p, fleet, now, profile)]
             pod.routed += 1
@@ -199,13 +228,20 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             continue
         pod = fleet[what]
         assert pod.plan is not None
-        for req in pod.scheduler.complete(pod.plan, now):  # type: ignore[arg-type]
+        produced = pod.scheduler.complete(pod.plan, now)  # type: ignore[arg-type]
+        if observer is not None:
+            observer.stepped(pod, now)
+        for req in produced:
             i = int(req.request_id)
             if len(req.output_ids) == 1:
                 ttft[i] = now - arrival[i]
                 pod.expected_uncached.pop(req.request_id, None)
+                if observer is not None:
+                    observer.first_token(i, now)
             if req.finished:
                 finished[i] = now
+                if observer is not None:
+                    observer.finished(i, now)
                 if i in children:
                     child = children[i]
                     push(now + prepared[child].request.at, "send", child)

@@ -3,7 +3,7 @@
 (Helpers; the fixtures are in conftest.py.)
 
 Both are started the way tests/golden was captured (kvflow.realvllm's settings): served name
-``tiny-llama``, block size 32, max model len 512, 48 KV blocks, PYTHONHASHSEED, and KV events
+``tiny-llama``, block size 32, max model len 512, 48 KV blocks, server load tracking, PYTHONHASHSEED, and KV events
 published to a SUB socket *the test binds* (``tcp://127.0.0.1:P``: the server connects, as in
 llm-d). The sim uses the tiny model's tokenizer when it is built, so token counts agree too.
 """
@@ -88,7 +88,7 @@ def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None) 
             "sim", "--host", ep.host, "--port", str(ep.port), "--model", str(model or MODEL),
             "--served-model-name", MODEL, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
             "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "16", "--profile", "fast",
-            "--prefix-caching-hash-algo", hash_algo, "--kv-events-config", config,
+            "--prefix-caching-hash-algo", hash_algo, "--kv-events-config", config, "--enable-server-load-tracking",
         )
         return argv, ({"PYTHONHASHSEED": hash_seed} if hash_seed is not None else {})
     from kvflow import realvllm
@@ -96,7 +96,8 @@ def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None) 
     argv, env = realvllm.vllm_command(
         realvllm.ensure_tiny_model(), ep.host, ep.port, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
         hash_seed=hash_seed or "", hash_algo=hash_algo, kv_events_endpoint=ep.events,
-        kv_events_replay_endpoint=ep.replay, extra_args=["--num-gpu-blocks-override", str(NUM_BLOCKS)],
+        kv_events_replay_endpoint=ep.replay,
+        extra_args=["--num-gpu-blocks-override", str(NUM_BLOCKS), "--enable-server-load-tracking"],
     )
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for POST /reset_prefix_cache
     if hash_seed is None:

@@ -102,7 +102,9 @@ class RecordingFlight:
 @dataclass
 class FakePod:
     """A model server answering like vLLM; ``behaviour``: ok, 400, 500, stall (never answers),
-    die (drops the connection after the first chunk), hang (silent after the first chunk)."""
+    die (drops the connection after the first chunk), hang (silent after the first chunk),
+    flood (streams 64 KiB chunks until the gateway goes away), leak (answers with its own
+    ``kv_transfer_params``: engine id, host and port)."""
 
     name: str
     behaviour: str = "ok"
@@ -129,13 +131,19 @@ class FakePod:
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{self.name}",
                 "remote_request_id": request.headers.get("X-Request-Id"),
                 "remote_block_ids": [0, 1], "remote_host": "127.0.0.1", "remote_port": 5600}})
+        if self.behaviour == "leak":
+            return web.json_response({"id": "c", "object": "text_completion", "model": body["model"], "choices": [],
+                                      "kv_transfer_params": {"remote_engine_id": "engine-secret",
+                                                             "remote_host": "10.1.2.3", "remote_port": 5600}})
         if not body.get("stream"):
-            return web.json_response({"id": "c", "object": "text_completion", "model": body["model"],
+            return web.json_response({"id": "c", "object": "text_completion", "model": body.get("model", "tiny"),
                                       "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}],
                                       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         try:
+            while self.behaviour == "flood":
+                await out.write(b"data: " + b"x" * 65536 + b"\n\n")
             for i in range(self.chunks):
                 if self.behaviour == "die" and i == 1:
                     request.transport.close()  # type: ignore[union-attr]

@@ -119,3 +119,34 @@ async def test_gate_passes_the_slot_on_when_a_waiter_is_cancelled() -> None:
     gate.release()
     await asyncio.wait_for(stays, 1)
     assert (gate.queue.inflight, gate.queue.waiting) == (1, 0)
+
+
+def test_a_client_with_a_backlog_does_not_starve_the_others() -> None:
+    queue: AdmissionQueue[str] = AdmissionQueue(max_inflight=1, max_queue=10)
+    outcomes = [queue.admit(0, w, client=w[0]).decision.value for w in ("a1", "a2", "a3", "a4", "b1", "c1", "b2")]
+    assert outcomes == ["admitted"] + ["queued"] * 6
+    woken = []
+    for done in ("a1", "b1", "c1", "a2", "b2", "a3"):  # each release names who finished
+        woken.append(queue.release(client=done[0]))
+    assert woken == ["b1", "c1", "a2", "b2", "a3", "a4"]
+
+
+def test_a_client_at_its_cap_waits_while_others_use_free_slots() -> None:
+    queue: AdmissionQueue[str] = AdmissionQueue(max_inflight=3, max_queue=10, max_per_client=1)
+    steps = [queue.admit(0, "a1", "a").decision, queue.admit(0, "a2", "a").decision, queue.admit(0, "b1", "b").decision]
+    assert steps == [Decision.ADMITTED, Decision.QUEUED, Decision.ADMITTED]
+    assert queue.release(client="b") is None  # b's slot frees nothing for a: a is at its cap
+    assert queue.release(client="a") == "a2"
+    assert (queue.inflight, queue.waiting) == (1, 0)
+
+
+async def test_gate_per_client_cap_with_real_waiters() -> None:
+    gate = Gate(max_inflight=4, max_queue=4, queue_timeout=5, max_per_client=1)
+    await gate.acquire(0, "a")
+    second = asyncio.ensure_future(gate.acquire(0, "a"))
+    await gate.acquire(0, "b")  # not behind a's second request
+    await asyncio.sleep(0)
+    assert not second.done()
+    gate.release("a")
+    await asyncio.wait_for(second, 1)
+    assert gate.queue.inflight == 2

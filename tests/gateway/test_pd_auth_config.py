@@ -98,8 +98,10 @@ def test_flags_become_a_pool() -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--model", "m"], ["--endpoint", "127.0.0.2:8000"], ["--model", "m", "--endpoint", "nonsense"],
-])
+    ["--model", "m"],
+    ["--endpoint", "127.0.0.2:1", "--discover-timeout", "0"],  # no --model, and the pod cannot list its models
+    ["--model", "m", "--endpoint", "nonsense"],
+], ids=["model-without-endpoints", "nothing-to-discover", "bad-address"])
 def test_bad_flags_are_errors(argv) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         config_from_args(parser().parse_args(argv))

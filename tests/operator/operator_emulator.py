@@ -8,7 +8,8 @@ the operator relies on from a real API server:
 * server-side apply (``PATCH`` with ``application/apply-patch+yaml``): create when missing,
   otherwise merge (lists replaced, which is what a sole field manager sees);
 * the status subresource: ``/status`` writes touch only ``.status``, main writes never do;
-* label selectors on lists, delete preconditions (uid), and the garbage collector's
+* label selectors on lists, delete preconditions (uid), optimistic concurrency (a write that
+  carries a stale ``metadata.resourceVersion`` gets 409 Conflict), and the garbage collector's
   background cascade over ownerReferences;
 * an audit log of every API call (verb, group, resource, subresource, namespace) for the
   RBAC audit.
@@ -31,7 +32,7 @@ from kmock._internal import rendering
 from kmock._internal.k8s import KubernetesError, KubernetesObjectNotFoundError
 
 RESOURCES: dict[str, dict[str, Any]] = {
-    "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
+    "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status", "eviction"}},
     "v1/services": {"kind": "Service", "namespaced": True},
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
     "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True},
@@ -45,6 +46,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "inference.networking.k8s.io/v1/inferencepools": {"kind": "InferencePool", "namespaced": True,
                                                        "subresources": {"status"}},
     "gateway.networking.k8s.io/v1/httproutes": {"kind": "HTTPRoute", "namespaced": True},
+    "coordination.k8s.io/v1/leases": {"kind": "Lease", "namespaced": True},
     "kvflow.io/v1alpha1/llmservices": {"kind": "LLMService", "namespaced": True, "subresources": {"status"},
                                         "shortnames": {"llms"}},
 }
@@ -89,6 +91,8 @@ class Cluster(kmock.KubernetesEmulator):  # type: ignore[misc]
         self.audit.append(_audit_entry(request))
         method = request.method.value
         try:
+            if method == "POST" and request.subresource == "eviction":
+                return await self._evict(request)
             if method == "POST":
                 return await self._create(request, dict(request.data or {}))
             if method == "PATCH":
@@ -197,6 +201,7 @@ class Cluster(kmock.KubernetesEmulator):  # type: ignore[misc]
             if old is None:
                 raise KubernetesObjectNotFoundError()
             body = dict(request.data or {})
+            _check_version(old, body)
             if request.subresource == "status":
                 new = copy.deepcopy(old)
                 new["status"] = body.get("status")
@@ -222,6 +227,27 @@ class Cluster(kmock.KubernetesEmulator):  # type: ignore[misc]
                 return aiohttp.web.json_response(old)
             await self._remove(request.resource, request.namespace, request.name)
         return aiohttp.web.json_response(old)
+
+    async def _evict(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """The Eviction API: refused (429) while a matching PodDisruptionBudget allows no
+        disruption (``status.disruptionsAllowed``, which the disruption controller keeps)."""
+        assert request.resource is not None
+        async with self._lock:
+            pod = self._existing(request)
+            if pod is None:
+                raise KubernetesObjectNotFoundError()
+            wanted_uid = (((request.data or {}).get("deleteOptions") or {}).get("preconditions") or {}).get("uid")
+            if wanted_uid and wanted_uid != pod["metadata"].get("uid"):
+                raise KubernetesError(status=409, reason="Conflict", message="uid precondition failed")
+            for budget in self.items("policy/v1/poddisruptionbudgets", request.namespace):
+                selector = ((budget.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+                allowed = (budget.get("status") or {}).get("disruptionsAllowed")
+                if selector and _matches(pod, selector) and allowed == 0:
+                    raise KubernetesError(status=429, reason="TooManyRequests",
+                                          message="Cannot evict pod as it would violate the pod's disruption "
+                                                  f"budget {budget['metadata']['name']}")
+            await self._remove(request.resource, request.namespace, request.name or "")
+        return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Success"}, status=201)
 
     async def _remove(self, resource: Any, namespace: str | None, name: str) -> None:
         """Delete one object and, like the garbage collector, everything it owns."""
@@ -294,6 +320,13 @@ class Cluster(kmock.KubernetesEmulator):  # type: ignore[misc]
         async with self._lock:
             if (res, namespace, name) in self._objects and not self._objects[(res, namespace, name)].deleted:
                 await self._remove(res, namespace, name)
+
+
+def _check_version(old: dict[str, Any], new: dict[str, Any]) -> None:
+    wanted = (new.get("metadata") or {}).get("resourceVersion")
+    if wanted and wanted != old["metadata"].get("resourceVersion"):
+        raise KubernetesError(status=409, reason="Conflict",
+                              message="the object has been modified; please apply your changes to the latest version")
 
 
 def _spec_of(obj: dict[str, Any]) -> Any:

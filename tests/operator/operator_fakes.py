@@ -3,7 +3,9 @@
 * ``FakeDeploymentController`` plays the Deployment/ReplicaSet controllers and the kubelet:
   it keeps ``spec.replicas`` Running pods per engine Deployment (each with its own 127.0.0.x
   IP), takes ``rollout_ticks`` ticks to roll a new pod template out, and writes the status
-  fields the operator reads (``observedGeneration``, ``updatedReplicas``, ...).
+  fields the operator reads (``observedGeneration``, ``updatedReplicas``, ...). Like a kubelet,
+  it cannot pull images whose registry host is in ``unpullable``: such pods stay Pending with
+  the container waiting in ``ImagePullBackOff``, and never count as ready.
 * ``FakeEngines`` serves ``/metrics`` on every pod IP at one port, with per-IP counters the test
   controls, so the operator's scraping runs over real sockets.
 """
@@ -29,6 +31,7 @@ class EngineState:
     waiting: float = 0.0
     generated: float = 0.0
     stuck: bool = False  # stuck engines stop counting tokens while requests run
+    blocked: bool = False  # a NetworkPolicy keeps the operator out: /metrics does not answer
 
 
 class FakeEngines:
@@ -58,6 +61,8 @@ class FakeEngines:
         assert request.transport is not None
         ip = request.transport.get_extra_info("sockname")[0]
         state = self.state.setdefault(ip, EngineState())
+        if state.blocked:
+            raise aiohttp.web.HTTPServiceUnavailable()
         if not state.stuck:
             state.generated += 10 if state.running else 0
         text = (
@@ -84,6 +89,7 @@ class FakeDeploymentController:
         self.rollout_ticks = rollout_ticks
         self.tick = tick
         self.free_ips = list(engines.ips)
+        self.unpullable: set[str] = {"registry.invalid"}
         self.rollouts: dict[tuple[str, str], _Rollout] = {}
         # (deployment name, new hash, snapshot of every other deployment: name -> (hash, settled))
         self.template_changes: list[tuple[str, str | None, dict[str, tuple[str | None, bool]]]] = []
@@ -133,7 +139,8 @@ class FakeDeploymentController:
             elif rollout.ticks_left > 0:
                 rollout.ticks_left -= 1
             replicas = int(dep["spec"].get("replicas", 1))
-            done = rollout.ticks_left == 0
+            pullable = not self._bad_images(dep["spec"]["template"])
+            done = rollout.ticks_left == 0 and pullable  # a pod that cannot start holds the rollout
             if "kvflow.io/engine" in (dep["spec"]["template"]["metadata"].get("labels") or {}):
                 await self._sync_pods(dep, replicas, template_hash if done else None)
             status = {
@@ -144,9 +151,28 @@ class FakeDeploymentController:
             if dep.get("status") != status:
                 await self.k8s.patch_status(DEPLOYMENTS, meta["namespace"], meta["name"], status)
 
+    def _bad_images(self, template: dict[str, Any]) -> list[str]:
+        return [c["image"] for c in template["spec"]["containers"] if c["image"].split("/")[0] in self.unpullable]
+
+    def _pod_status(self, template: dict[str, Any], ip: str) -> dict[str, Any]:
+        bad = self._bad_images(template)
+        if not bad:
+            return {"phase": "Running", "podIP": ip,
+                    "conditions": [{"type": "Ready", "status": "True"}, {"type": "PodScheduled", "status": "True"}]}
+        return {"phase": "Pending", "podIP": ip, "containerStatuses": [{
+            "name": "engine", "image": bad[0], "ready": False, "restartCount": 0,
+            "state": {"waiting": {"reason": "ImagePullBackOff",
+                                  "message": f'Back-off pulling image "{bad[0]}"'}}}]}
+
     async def _sync_pods(self, dep: dict[str, Any], replicas: int, template_hash: str | None) -> None:
         meta = dep["metadata"]
         labels = dep["spec"]["template"]["metadata"]["labels"]
+        # A surge pod of the new template, as the ReplicaSet controller would start first: with an
+        # image that cannot be pulled it waits, and tells why.
+        newest = (meta.get("annotations") or {}).get(HASH)
+        if template_hash is None and self._bad_images(dep["spec"]["template"]):
+            await self._surge(dep, newest)
+            return
         mine = [p for p in self.k8s.items(PODS, meta["namespace"])
                 if any(r.get("uid") == meta["uid"] for r in p["metadata"].get("ownerReferences", []))]
         if template_hash is not None:  # rolled out: replace pods of older templates
@@ -169,8 +195,28 @@ class FakeDeploymentController:
                                          "uid": meta["uid"], "controller": True}],
                 },
                 "spec": dep["spec"]["template"]["spec"],
-                "status": {"phase": "Running", "podIP": ip},
+                "status": self._pod_status(dep["spec"]["template"], ip),
             })
+
+    async def _surge(self, dep: dict[str, Any], template_hash: str | None) -> None:
+        meta = dep["metadata"]
+        mine = [p for p in self.k8s.items(PODS, meta["namespace"])
+                if any(r.get("uid") == meta["uid"] for r in p["metadata"].get("ownerReferences", []))]
+        if any(p["metadata"]["annotations"].get(HASH) == template_hash for p in mine):
+            return
+        ip = self.free_ips.pop(0)
+        await self.k8s.put_object(PODS, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": f"{meta['name']}-{uuid.uuid4().hex[:5]}", "namespace": meta["namespace"],
+                "labels": dict(dep["spec"]["template"]["metadata"]["labels"]),
+                "annotations": {HASH: template_hash},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"],
+                                     "uid": meta["uid"], "controller": True}],
+            },
+            "spec": dep["spec"]["template"]["spec"],
+            "status": self._pod_status(dep["spec"]["template"], ip),
+        })
 
     async def _delete_pod(self, pod: dict[str, Any]) -> None:
         await self.k8s.remove_object(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"])

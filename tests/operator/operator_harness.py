@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import kmock
+import kopf
 from operator_emulator import Cluster
 from operator_fakes import FakeDeploymentController, FakeEngines
 
-from kvflow.operator.reconcile import Runtime
+from kvflow.operator.handlers import register
+from kvflow.operator.reconcile import OperatorConfig, Runtime
 
 CLOCK_SPEEDUP = 20.0  # the operator's lifecycle clock runs 20x: stuckAfterSeconds 10 -> 0.5 s
 
@@ -45,3 +49,24 @@ async def eventually(predicate: Callable[[], Any], timeout: float = 15.0, what: 
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def operator_running(cluster: Harness, **config: Any) -> AsyncIterator[Harness]:
+    """Run the operator against ``cluster``, with ``OperatorConfig`` fields overridden."""
+    settings = {"interval": 0.2, "scrape_timeout": 1.0, "server": str(cluster.server.url).rstrip("/"), **config}
+    runtime = Runtime(config=OperatorConfig(**settings), clock=lambda: time.monotonic() * CLOCK_SPEEDUP)
+    registry = kopf.OperatorRegistry()
+    register(registry, runtime)
+    # At exit kopf cancels every task of its loop that it did not see at start, which must not
+    # include the emulator or the test itself: hence a thread of its own.
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: asyncio.run(kopf.operator(
+        registry=registry, standalone=True, clusterwide=True, stop_flag=stop, ready_flag=ready)),
+        name="kopf", daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 10), "kopf did not start"
+    try:
+        yield dataclasses.replace(cluster, runtime=runtime)
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 20)
+        assert not thread.is_alive(), "kopf did not stop"

@@ -204,7 +204,7 @@ def test_status_conditions_keep_their_transition_time() -> None:
     first = status.compute(svc, decided, observed, now="2026-01-01T00:00:00Z", previous={})
     assert first["phase"] == "Ready" and first["decode"]["summary"] == "2/2"
     later = status.compute(svc, decided, observed, now="2026-01-01T01:00:00Z", previous=first)
-    assert [c["lastTransitionTime"] for c in later["conditions"]] == ["2026-01-01T00:00:00Z"] * 3
+    assert [c["lastTransitionTime"] for c in later["conditions"]] == ["2026-01-01T00:00:00Z"] * 4
     assert status.transition_events(first, later) == []
 
 
@@ -252,3 +252,114 @@ def test_status_patch_carries_changes_only() -> None:
     assert status_patch(previous, {"phase": "Ready", "gatewayURL": "http://x", "decode": {"ready": 2}}) == {}
     assert status_patch(previous, {"phase": "Progressing", "decode": {"ready": 2}}) == {
         "phase": "Progressing", "gatewayURL": None}
+
+
+# ---- scale-down stabilisation and pods that do not come up ------------------------------
+
+
+STABILIZED = {
+    # id: (current, [(t, recommended)...], now, window, expected)
+    "up-at-once": (2, [(0, 2), (10, 5)], 10, 300, 5),
+    "down-waits-for-the-window": (4, [(0, 4), (100, 3), (200, 2)], 200, 300, 4),
+    "down-to-the-window-max": (4, [(0, 4), (100, 3), (350, 2)], 350, 300, 3),
+    "quiet-for-a-window": (4, [(0, 4), (100, 2), (450, 2)], 450, 300, 2),
+    "no-window": (4, [(0, 4), (10, 1)], 10, 0, 1),
+    "no-recommendation": (3, [], 10, 300, 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STABILIZED))
+def test_scale_down_is_stabilised(case: str) -> None:
+    from kvflow.operator.lifecycle import stabilized
+
+    current, history, now, window, expected = STABILIZED[case]
+    assert stabilized(current, history, now, window) == expected
+
+
+def pod_with(name: str, component: str, *, waiting: str | None = None, message: str = "",
+             unschedulable: str | None = None, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/component": component}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status_: dict[str, Any] = {"phase": "Pending"}
+    if waiting:
+        status_["containerStatuses"] = [{"name": "engine", "image": "img:1",
+                                         "state": {"waiting": {"reason": waiting, "message": message}}}]
+    if unschedulable:
+        status_["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                  "message": unschedulable}]
+    return {"metadata": meta, "status": status_}
+
+
+def test_pods_that_cannot_come_up_are_named_by_pool_and_reason() -> None:
+    from kvflow.operator.health import problems, summary
+
+    pods = [
+        pod_with("llm-decode-b", "decode", waiting="ImagePullBackOff", message='Back-off pulling image "x"'),
+        pod_with("llm-decode-a", "decode", waiting="ErrImagePull", message="not found"),
+        pod_with("llm-decode-c", "decode", waiting="ImagePullBackOff", message='Back-off pulling image "x"'),
+        pod_with("llm-prefill-a", "prefill", unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu."),
+        pod_with("llm-router-a", "router", waiting="CrashLoopBackOff", message="back-off 5m0s restarting"),
+        pod_with("llm-decode-old", "decode", waiting="CrashLoopBackOff", deleting=True),  # going away: ignored
+        pod_with("llm-decode-ok", "decode"),
+    ]
+    stalled = {"metadata": {"labels": {"app.kubernetes.io/component": "gateway"}}, "status": {"conditions": [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": 'ReplicaSet "llm-gateway-7" has timed out progressing.'}]}}
+    found = problems(pods, [stalled])
+    assert [(p.component, p.reason, p.pods) for p in found] == [
+        ("prefill", "Unschedulable", ("llm-prefill-a",)),
+        ("decode", "ErrImagePull", ("llm-decode-a",)),
+        ("decode", "ImagePullBackOff", ("llm-decode-b", "llm-decode-c")),
+        ("router", "CrashLoopBackOff", ("llm-router-a",)),
+        ("gateway", "ProgressDeadlineExceeded", ()),
+    ]
+    reason, message = summary(found)  # type: ignore[misc]
+    assert reason == "Unschedulable"
+    assert message.split("; ") == [
+        "prefill pool: pod llm-prefill-a cannot be scheduled (Unschedulable): "
+        "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+        "decode pool: pod llm-decode-a cannot pull the image (ErrImagePull): not found",
+        'decode pool: 2 pods (llm-decode-b, ...) cannot pull the image (ImagePullBackOff): Back-off pulling image "x"',
+        "router: pod llm-router-a cannot stay up (CrashLoopBackOff): back-off 5m0s restarting",
+        'gateway: ProgressDeadlineExceeded: ReplicaSet "llm-gateway-7" has timed out progressing.',
+    ]
+    assert summary([]) is None
+
+
+def test_problems_degrade_the_status_without_an_api_error() -> None:
+    from kvflow.operator.health import problems
+
+    svc = service()
+    observed = running(render(svc))
+    decided = plan(svc, render(svc), observed)
+    found = problems([pod_with("sim-llm-decode-x", "decode", waiting="ImagePullBackOff", message="nope")], [])
+    result = status.compute(svc, decided, observed, now="t", previous={}, problems=found)
+    degraded = next(c for c in result["conditions"] if c["type"] == "Degraded")
+    assert result["phase"] == "Degraded" and degraded["reason"] == "ImagePullBackOff"
+    assert degraded["message"] == "decode pool: pod sim-llm-decode-x cannot pull the image (ImagePullBackOff): nope"
+
+
+def test_the_reconcile_path_reads_only_the_injected_clocks() -> None:
+    """Durations come from ``Runtime.clock``, timestamps from ``Runtime.wall``: no module on the
+    reconcile path calls a clock itself (only ``wall_time``, the default ``wall``)."""
+    import ast
+    import pathlib
+
+    import kvflow.operator as package
+
+    clocks = {("time", "monotonic"), ("time", "time"), ("time", "perf_counter"), ("datetime", "now"),
+              ("datetime", "utcnow"), ("date", "today")}
+    modules = ["reconcile", "plan", "lifecycle", "status", "health", "render", "render_pools", "render_control",
+               "volumes", "args", "objects", "spec", "names", "scrape"]
+    found = []
+    for module in modules:
+        tree = ast.parse((pathlib.Path(package.__path__[0]) / f"{module}.py").read_text())
+        for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            for call in [n for n in ast.walk(function) if isinstance(n, ast.Call)]:
+                func = call.func
+                if isinstance(func, ast.Attribute):
+                    owner = func.value.attr if isinstance(func.value, ast.Attribute) else getattr(func.value, "id", "")
+                    if (owner, func.attr) in clocks and function.name != "wall_time":
+                        found.append(f"{module}.{function.name}: {owner}.{func.attr}()")
+    assert found == []

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import yaml
-from operator_harness import Harness, eventually
+from operator_harness import Harness, eventually, operator_running
 from operator_rbac import audit_against_chart
 from operator_tools import SAMPLES
 
@@ -70,7 +70,7 @@ async def test_create_scale_update_stuck_delete_and_rbac(harness: Harness) -> No
                            "uid": uid, "controller": True, "blockOwnerDeletion": True}]
     await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
     ready = {c["type"]: c["status"] for c in status(h)["conditions"]}
-    assert ready == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
+    assert ready == {"Ready": "True", "Progressing": "False", "Degraded": "False", "MetricsReachable": "True"}
     assert status(h)["observedGeneration"] == 1
     assert status(h)["decode"]["summary"] == "2/2"
     await eventually(lambda: events(h, "Ready"), what="a Ready event")
@@ -152,8 +152,10 @@ async def test_missing_crd_applies_nothing_then_queue_depth_scaling(harness: Har
     assert "ScaledObject (KEDA)" in degraded["message"]
     assert not h.k8s.items("apps/v1/deployments", NS) and not h.k8s.items("v1/services", NS)
 
-    # The operator's own autoscaler instead: decode follows the waiting requests within min/max.
-    await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"autoscaling": {"mode": "operator"}}})
+    # The operator's own autoscaler instead: decode follows the waiting requests within min/max,
+    # scaling down only after a quiet stabilisation window (20 s of the operator's clock, 1 s here).
+    await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"autoscaling": {
+        "mode": "operator", "scaleDownStabilizationSeconds": 20}}})
     await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
 
     def busy_then(replicas: int) -> bool:
@@ -183,7 +185,7 @@ async def test_kvflow_operator_run_cli_reconciles(cluster: Harness) -> None:
     try:
         await h.request("POST", LLMS, sample(h.engines.port), content_type="application/json")
         await eventually(lambda: len([e for e in h.k8s.audit[before:]
-                                      if e.user_agent == "kvflow-operator" and e.verb == "patch"]) > 20,
+                                      if e.user_agent.startswith("kvflow-operator") and e.verb == "patch"]) > 20,
                          timeout=30, what="the CLI operator applying children")
         await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
         await eventually(lambda: all(h.k8s.read(r, NS, n) for r, n in CHILDREN), what="all children")
@@ -191,3 +193,77 @@ async def test_kvflow_operator_run_cli_reconciles(cluster: Harness) -> None:
         proc.terminate()
         _, stderr = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode in (0, -15), stderr.decode()[-2000:]
+
+
+async def test_image_pull_failure_is_a_condition_naming_the_pool_then_recovers(harness: Harness) -> None:
+    h = harness
+    await h.request("POST", LLMS, sample(h.engines.port), content_type="application/json")
+    await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
+
+    # A bad engine image: the surge pod of the first pool cannot pull it. The status says which
+    # pool and why; the operator keeps running its rounds (no crash loop) and the old pods serve.
+    await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"engine": {"image": "registry.invalid/kvflow:nope"}}})
+
+    def degraded() -> dict[str, Any] | None:
+        found = [c for c in status(h).get("conditions", []) if c["type"] == "Degraded" and c["status"] == "True"]
+        return found[0] if found else None
+
+    condition = await eventually(degraded, what="a Degraded condition")
+    assert condition["reason"] == "ImagePullBackOff"
+    assert condition["message"].startswith("prefill pool: pod sim-llm-prefill-")
+    assert 'cannot pull the image (ImagePullBackOff): Back-off pulling image "registry.invalid/kvflow:nope"' \
+        in condition["message"]
+    assert status(h)["phase"] == "Degraded" and status(h)["rollout"]["held"] == ["decode"]
+    await eventually(lambda: events(h, "Degraded"), what="a Degraded event")
+    rounds = len(h.k8s.audit)
+    await eventually(lambda: len(h.k8s.audit) > rounds + 20, what="the operator still reconciling")
+
+    # Fixing the spec recovers without anyone touching the operator.
+    await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"engine": {"image": None}}})
+    await eventually(lambda: status(h).get("phase") == "Ready" and not degraded(), what="Ready again")
+
+
+async def test_stuck_engines_are_evicted_within_budgets(cluster: Harness) -> None:
+    """Evictions go through the Eviction API (a PodDisruptionBudget can refuse them) and a
+    global budget caps how many engines the operator replaces per window."""
+    async with operator_running(cluster, eviction_budget=1, eviction_window=3600.0) as h:
+        await h.request("POST", LLMS, sample(h.engines.port), content_type="application/json")
+        await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
+        budget = f"{NAME}-decode"
+        await h.k8s.patch_status("policy/v1/poddisruptionbudgets", NS, budget, {"disruptionsAllowed": 0})
+        first, second = engine_pods(h, "decode")[:2]
+        for pod in (first, second):
+            state = h.engines.state[pod["status"]["podIP"]]
+            state.running, state.stuck = 3, True
+        await eventually(lambda: events(h, "EvictionBlocked"), what="an eviction refused by the budget")
+        assert {p["metadata"]["name"] for p in engine_pods(h, "decode")} >= {first["metadata"]["name"],
+                                                                              second["metadata"]["name"]}
+        await h.k8s.patch_status("policy/v1/poddisruptionbudgets", NS, budget, {"disruptionsAllowed": 1})
+        await eventually(lambda: events(h, "StuckEngineReplaced"), what="one stuck engine evicted")
+        await eventually(lambda: events(h, "EvictionRateLimited"), what="the second held by the global budget")
+        left = {p["metadata"]["name"] for p in engine_pods(h, "decode")}
+        assert len({first["metadata"]["name"], second["metadata"]["name"]} & left) == 1
+        evictions = [e for e in h.k8s.audit if e.subresource == "eviction"]
+        assert evictions and not [e for e in h.k8s.audit if e.resource == "pods" and e.verb == "delete"
+                                  and e.user_agent.startswith("kvflow-operator")]
+
+
+async def test_unreachable_engines_are_a_condition_not_silence(harness: Harness) -> None:
+    h = harness
+    await h.request("POST", LLMS, sample(h.engines.port), content_type="application/json")
+    await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
+
+    def reachable() -> dict[str, Any]:
+        return next((c for c in status(h).get("conditions", []) if c["type"] == "MetricsReachable"), {})
+
+    assert reachable()["status"] == "True"
+    for pod in engine_pods(h, "decode"):  # as if a NetworkPolicy admitted only the router
+        h.engines.state[pod["status"]["podIP"]].blocked = True
+    condition = await eventually(lambda: reachable().get("status") == "False" and reachable(),
+                                 what="MetricsReachable False")
+    assert condition["reason"] == "ScrapeFailed"
+    assert condition["message"].startswith("no pod of the decode pool answered /metrics for ")
+    assert "NetworkPolicy" in condition["message"] and status(h)["phase"] == "Ready"  # serving is not the issue
+    for state in h.engines.state.values():
+        state.blocked = False
+    await eventually(lambda: reachable().get("status") == "True", what="reachable again")

@@ -276,3 +276,172 @@ def test_decode_routing_sidecar_only_behind_an_external_gateway(mode: str) -> No
         assert names_ == ["engine"] and engine["ports"][0]["containerPort"] == 8000
     assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
     assert by_kind(objs, "InferencePool", "sim-llm")["spec"]["targetPorts"] == [{"number": 8000}]
+
+
+@pytest.mark.parametrize("tls", [{}, {"mode": "Secret", "secretName": "epp-tls"},
+                                 {"mode": "Secret", "secretName": "epp-tls", "clientCASecretName": "gw-ca"},
+                                 {"mode": "Disabled"}], ids=["self-signed", "secret", "mtls", "plaintext"])
+def test_router_serves_like_the_inference_extension_epp(tls: dict[str, Any]) -> None:
+    from kvflow.router.cli import parse_args as router_parse
+
+    body = load("sim.yaml")
+    body["spec"]["routing"]["tls"] = tls
+    assert crd_errors(body) == []
+    objs = render(with_uid(body), IMAGES)
+    pod = by_kind(objs, "Deployment", "sim-llm-router")["spec"]["template"]["spec"]
+    router = pod["containers"][0]
+    parsed = router_parse(router["args"][1:])
+    assert (parsed.port, parsed.grpc_health_port, parsed.metrics_port) == (9002, 9003, 9090)
+    assert {p["name"]: p["containerPort"] for p in router["ports"]} == {"grpc": 9002, "grpc-health": 9003,
+                                                                          "metrics": 9090}
+    probe = {"port": 9003, "service": "inference-extension"}  # GIE's chart probes the same
+    assert router["readinessProbe"]["grpc"] == router["livenessProbe"]["grpc"] == probe
+    assert parsed.secure_serving is (tls.get("mode") != "Disabled")
+    secrets = {v["secret"]["secretName"]: v["name"] for v in pod["volumes"] if "secret" in v}
+    mounts = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}
+    if tls.get("mode") == "Secret":
+        assert str(parsed.cert_path) == mounts[secrets["epp-tls"]] == "/etc/kvflow/tls"
+    else:
+        assert parsed.cert_path is None
+    if "clientCASecretName" in tls:
+        assert str(parsed.client_ca) == mounts[secrets["gw-ca"]] + "/ca.crt"
+    service = by_kind(objs, "Service", "sim-llm-router")["spec"]["ports"]
+    grpc_port = next(p for p in service if p["name"] == "grpc")
+    assert grpc_port["appProtocol"] == ("kubernetes.io/h2c" if tls.get("mode") == "Disabled" else "http2")
+    assert {p["port"] for p in service} == {9002, 9003, 9090}
+
+
+@pytest.mark.parametrize("source, tokenizer, init", [
+    ("hf://org/model", "/models/tokenizer", True),
+    ("pvc://models/llama/8b", "/models/models/llama/8b", False),
+    ("oci://registry.example.com/models/llama:8b", "/models/oci", False),
+])
+def test_router_and_gateway_get_the_models_tokenizer(source: str, tokenizer: str, init: bool) -> None:
+    from kvflow.gateway.config import GatewayConfig
+
+    body = load("vllm-gpu.yaml")
+    body["spec"]["model"] = {"name": "m", "source": source, "revision": "abc" if init else None}
+    body["spec"]["model"] = {k: v for k, v in body["spec"]["model"].items() if v is not None}
+    body["spec"]["engine"]["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}]
+    objs = render(with_uid(body), IMAGES)
+    for name, container in (("qwen-chat-router", "router"), ("qwen-chat-gateway", "gateway")):
+        pod = by_kind(objs, "Deployment", name)["spec"]["template"]["spec"]
+        main = next(c for c in pod["containers"] if c["name"] == container)
+        paths = {m["mountPath"] for m in main["volumeMounts"]}
+        assert any(tokenizer == p or tokenizer.startswith(p + "/") for p in paths), (tokenizer, paths)
+        assert ("initContainers" in pod) is init
+        if init:
+            fetch = pod["initContainers"][0]
+            assert fetch["image"] == IMAGES.kvflow and fetch["args"] == [
+                "tokenizer", "fetch", source, "/models/tokenizer", "--revision", "abc"]
+            assert fetch["env"] == body["spec"]["engine"]["env"]  # the hub token reaches it
+            assert fetch["securityContext"]["runAsNonRoot"]
+    router = by_kind(objs, "Deployment", "qwen-chat-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][router["args"].index("--tokenizer") + 1] == tokenizer
+    gateway = GatewayConfig.model_validate(config_file(objs, "qwen-chat-gateway", "gateway.yaml"))
+    assert gateway.pools[0].tokenizer == tokenizer
+
+
+def test_sim_engines_and_their_router_use_the_builtin_tokenizer() -> None:
+    objs = render(with_uid(load("sim.yaml")), IMAGES)
+    router = by_kind(objs, "Deployment", "sim-llm-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][router["args"].index("--tokenizer") + 1] == "builtin"
+    engine = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]["spec"]["containers"][0]
+    assert "--tokenizer" not in engine["args"]
+
+
+def test_engine_pods_carry_their_revision_and_llm_d_role() -> None:
+    def labels(body: dict[str, Any], role: str) -> dict[str, str]:
+        pod = by_kind(render(with_uid(body), IMAGES), "Deployment", f"sim-llm-{role}")["spec"]["template"]
+        return dict(pod["metadata"]["labels"])
+
+    body = load("sim.yaml")
+    prefill, decode = labels(body, "prefill"), labels(body, "decode")
+    assert prefill[names.LABEL_REVISION] == decode[names.LABEL_REVISION]  # one revision, both pools
+    assert (prefill["llm-d.ai/role"], decode["llm-d.ai/role"]) == ("prefill", "decode")
+    changed = merged(body, {"spec": {"model": {"name": "other"}}})
+    assert labels(changed, "decode")[names.LABEL_REVISION] != decode[names.LABEL_REVISION]
+    scaled = merged(body, {"spec": {"decode": {"replicas": 5}}})  # not a revision change
+    assert labels(scaled, "decode")[names.LABEL_REVISION] == decode[names.LABEL_REVISION]
+    aggregated = merged(body, {"spec": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}}})
+    assert labels(aggregated, "decode")["llm-d.ai/role"] == "both"
+    # The selector labels stay the operator's whatever the pod template says.
+    assert names.selector_labels(with_uid(body), "decode").items() <= decode.items()
+
+
+def test_a_named_volume_in_the_pod_template_replaces_the_rendered_one() -> None:
+    body = load("vllm-gpu.yaml")
+    body["spec"]["decode"]["podTemplate"] = {"spec": {
+        "volumes": [{"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-cache"}}],
+        "containers": [{"name": "engine", "env": [{"name": "HF_TOKEN", "value": "plain"}],
+                        "volumeMounts": [{"name": "model-cache", "mountPath": "/models/hf-cache", "subPath": "q"}]}]}}
+    assert crd_errors(body) == []
+    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-decode")
+    validate(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert cache == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-cache"}}  # one source
+    engine = pod["containers"][0]
+    assert [e for e in engine["env"] if e["name"] == "HF_TOKEN"] == [{"name": "HF_TOKEN", "value": "plain"}]
+    mounts = [m for m in engine["volumeMounts"] if m["mountPath"] == "/models/hf-cache"]
+    assert mounts == [{"name": "model-cache", "mountPath": "/models/hf-cache", "subPath": "q"}]
+
+
+def test_cache_pvc_gives_hub_models_a_persistent_cache() -> None:
+    body = load("vllm-gpu.yaml")
+    body["spec"]["model"]["cachePVC"] = "hf-cache"
+    assert crd_errors(body) == []
+    pod = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-decode")["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
+    assert env_of(pod["containers"][0])["HF_HOME"] == "/models/hf-cache"
+
+
+def test_lora_adapters_are_mounted_where_the_engine_loads_them() -> None:
+    body = load("sim.yaml")
+    body["spec"]["engine"]["kind"] = "vllm"
+    body["spec"]["model"] = {"name": "m", "source": "pvc://models/base", "loraAdapters": [
+        {"name": "sql", "source": "pvc://models/adapters/sql"},  # on the model's PVC: no second mount
+        {"name": "chat", "source": "pvc://adapters-pvc/chat"},
+        {"name": "code", "source": "oci://registry.example.com/lora/code:1"},
+        {"name": "hub", "source": "hf://org/hub-lora"}]}
+    assert crd_errors(body) == []
+    objs = render(with_uid(body), IMAGES)
+    deployment = by_kind(objs, "Deployment", "sim-llm-decode")
+    validate(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    modules = engine["args"][engine["args"].index("--lora-modules") + 1:]
+    paths = dict(m.split("=", 1) for m in modules[:4])
+    assert paths == {"sql": "/models/models/adapters/sql", "chat": "/models/adapters-pvc/chat",
+                     "code": "/models/adapters/registry.example.com_lora_code_1", "hub": "org/hub-lora"}
+    mounts = [m["mountPath"] for m in engine["volumeMounts"]]
+    for name in ("sql", "chat", "code"):
+        assert any(paths[name] == m or paths[name].startswith(m + "/") for m in mounts), name
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert sorted(claims) == ["adapters-pvc", "models"]
+    assert any(v.get("image", {}).get("reference") == "registry.example.com/lora/code:1" for v in pod["volumes"])
+    router = config_file(objs, "sim-llm-router", "router.yaml")
+    assert router["loraPaths"] == paths  # vLLM hashes the adapter path into LoRA blocks: the router must agree
+
+
+@pytest.mark.parametrize("unavailable, surge", [(0, 1), (1, 0), (1, 2)])
+def test_rollout_budget_is_the_specs(unavailable: int, surge: int) -> None:
+    body = load("sim.yaml")
+    body["spec"]["rollout"] = {"maxUnavailable": unavailable, "maxSurge": surge}
+    assert crd_errors(body) == []
+    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-decode")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": unavailable, "maxSurge": surge}
+
+
+def test_the_router_follows_every_data_parallel_rank() -> None:
+    from kvflow.endpoints import Endpoint
+    from kvflow.router.config import load_config
+
+    body = load("pd-nixl.yaml")
+    body["spec"]["engine"]["dataParallelSize"] = 2
+    objs = render(with_uid(body), IMAGES)
+    engine = by_kind(objs, "Deployment", "llama-pd-decode")["spec"]["template"]["spec"]["containers"][0]
+    assert [(p["name"], p["containerPort"]) for p in engine["ports"] if p["name"].startswith("kv-events")] == [
+        ("kv-events", 5557), ("kv-events-1", 5558)]  # vLLM binds port + rank for each rank
+    config = load_config(config_file(objs, "llama-pd-router", "router.yaml"))
+    assert config.kv_events_addresses(Endpoint("10.1.2.3", 8000)) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")

@@ -61,7 +61,61 @@ BAD_SPECS: dict[str, tuple[dict[str, Any], str, str]] = {
     "unknown-field": ({"engine": {"gpus": 4}}, "'gpus' was unexpected", "Extra inputs are not permitted"),
     "stuck-too-eager": ({"lifecycle": {"stuckAfterSeconds": 1}}, "less than the minimum", "greater than or equal to 10"),
     "bad-seed": ({"routing": {"hashSeed": "abc"}}, "does not match", "should match pattern"),
+    # Every spelling of a flag the operator owns, as vLLM's parser would read it.
+    "alias-tp": ({"engine": {"extraArgs": ["-tp", "4"]}}, "flags the operator manages", "--tensor-parallel-size"),
+    "alias-dp": ({"engine": {"extraArgs": ["-dp=2"]}}, "flags the operator manages", "--data-parallel-size"),
+    "underscore-flag": ({"engine": {"extraArgs": ["--max_model_len=4096"]}}, "flags the operator manages",
+                        "--max-model-len"),
+    "dotted-flag": ({"engine": {"extraArgs": ["--kv-transfer-config.kv_role=kv_producer"]}},
+                    "flags the operator manages", "--kv-transfer-config"),
+    "block-size": ({"engine": {"extraArgs": ["--block-size", "32"]}}, "flags the operator manages",
+                   "--block-size"),
+    "negated-flag": ({"engine": {"extraArgs": ["--no-enable-prefix-caching"]}}, "flags the operator manages",
+                     "--enable-prefix-caching"),
+    "owned-env": ({"engine": {"env": [{"name": "PYTHONHASHSEED", "value": "1"}]}},
+                  "variables the operator sets", "must not set PYTHONHASHSEED"),
+    "duplicate-env": ({"engine": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
+                      "duplicate entries", "names A more than once"),
+    "selector-label": ({"decode": {"podTemplate": {"labels": {"app.kubernetes.io/component": "x"}}}},
+                       "labels the operator selects pods by", "must not set app.kubernetes.io/component"),
+    "cache-for-pvc-model": ({"model": {"source": "pvc://models/m", "cachePVC": "hf-cache"}},
+                            "needs an hf:// source", "needs an hf:// source"),
+    "tls-secret-unnamed": ({"routing": {"tls": {"mode": "Secret"}}}, "secretName is needed", "secretName is needed"),
+    "mtls-without-tls": ({"routing": {"tls": {"mode": "Disabled", "clientCASecretName": "ca"}}},
+                         "needs TLS", "needs TLS"),
+    "zero-min-replicas": ({"decode": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}},
+                          "less than the minimum", "greater than or equal to 1"),
+    "rollout-stuck": ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "cannot both be 0", "cannot both be 0"),
 }
+
+
+def test_values_that_only_look_like_managed_flags_pass() -> None:
+    body = patched({"engine": {"extraArgs": ["--gpu-memory-utilization=0.9", "--max-num-seqs", "64", "-q", "fp8",
+                                             "--portable", "-1", "--kv-cache-dtype", "fp8"]}})
+    assert crd_errors(body) == []
+    parse(body)
+
+
+def test_owned_env_in_a_pod_template_is_refused() -> None:
+    body = patched({"decode": {"podTemplate": {"spec": {"containers": [
+        {"name": "engine", "env": [{"name": "HF_HOME", "value": "/x"}]}]}}}})
+    with pytest.raises(InvalidSpecError, match="must not set HF_HOME"):
+        parse(body)
+
+
+def test_the_crd_refuses_exactly_the_managed_flags() -> None:
+    """The CEL regex is generated from the models' flag set: one definition, checked here."""
+    import re
+
+    from kvflow.operator.spec import ENGINE_FLAG_ALIASES, MANAGED_ENGINE_FLAGS
+
+    longs = sorted(f[2:].replace("-", "[-_]") for f in MANAGED_ENGINE_FLAGS)
+    shorts = sorted(k[1:] for k in ENGINE_FLAG_ALIASES)
+    regex = "^(--(no[-_])?(" + "|".join(longs) + ")([=.].*)?|-(" + "|".join(shorts) + ")(=.*)?)$"
+    rules = _crd_spec_schema()["properties"]["engine"]["properties"]["extraArgs"]["x-kubernetes-validations"]
+    assert rules[0]["rule"] == f"self.all(a, !a.matches('{regex}'))"
+    for arg in ["--port", "--no-enable-prefix-caching", "--kv_events_config={}", "-tp", "--block-size=8"]:
+        assert re.match(regex, arg) and spec_mod.engine_flag(arg) in MANAGED_ENGINE_FLAGS
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SPECS))

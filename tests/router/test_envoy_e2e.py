@@ -1,17 +1,20 @@
 """A real Envoy in front of simulated vLLM pods, with ``kvflow router`` as its ext_proc.
 
 The stack is started once for the module (3 sim pods, the router, one Envoy with a fail-closed
-and a fail-open listener) and always stopped. The tests run in file order; the last one stops
-the router to check what each listener does without it.
+and a fail-open listener, and a private HTTP server that is no pod: a request reaching it would
+be server-side request forgery) and always stopped. The tests run in file order; the last ones
+stop the router to check what each listener does without it.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -22,6 +25,7 @@ from kvflow.router.envoy_config import Listener, envoy_binary, render
 from kvflow.endpoints import Endpoint
 
 MODEL = "sim-model"
+MAX_BODY = 256 * 1024
 
 
 @dataclass
@@ -35,6 +39,25 @@ class Stack:
     open: str
     """Envoy listener that fails open (to a round-robin cluster)."""
     group: ProcessGroup
+    private: str = ""
+    """HOST:PORT of an HTTP server that is not part of the pool."""
+    private_hits: list[str] = field(default_factory=list)
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    hits: list[str]
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.hits.append(self.path)
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_GET = do_POST
+
+    def log_message(self, *args: Any) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +80,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "fast",
                     "--kv-events-endpoint",
                     f"tcp://*:{kv_port}",
+                    "--enable-admin-routes",  # so that only Envoy's allow-list keeps clients off them
                 ),
                 env={"PYTHONHASHSEED": "0"},
                 ready_url=f"http://{host}:{port}/health",
@@ -68,7 +92,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         grpc_port, http_port = free_port(), free_port()
         router = group.start(
             "router",
-            kvflow_argv("router", "--config", str(config), "--port", str(grpc_port), "--metrics-port", str(http_port)),
+            kvflow_argv("router", "--config", str(config), "--port", str(grpc_port), "--metrics-port", str(http_port),
+                        "--max-body-bytes", str(MAX_BODY),
+                        "--grpc-health-port", "0", "--no-secure-serving"),  # Envoy speaks plaintext here
             ready_url=f"http://127.0.0.1:{http_port}/healthz",
         )
         closed, opened, admin = free_port(), free_port(), free_port()
@@ -77,6 +103,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ("127.0.0.1", grpc_port),
             pods,
             admin=("127.0.0.1", admin),
+            expose_picked_endpoint=True,  # the tests below check the pick against the pods' counters
         )
         (tmp / "envoy.json").write_text(json.dumps(bootstrap))
         group.start(
@@ -85,15 +112,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ready_url=f"http://127.0.0.1:{admin}/ready",
         )
         group.wait_ready(60)
-        yield Stack(
-            pods,
-            router,
-            f"http://127.0.0.1:{http_port}",
-            f"127.0.0.1:{grpc_port}",
-            f"http://127.0.0.1:{closed}",
-            f"http://127.0.0.1:{opened}",
-            group,
-        )
+        hits: list[str] = []
+        recorder = type("Recorder", (_Recorder,), {"hits": hits})
+        private = http.server.ThreadingHTTPServer(("127.0.0.70", 0), recorder)
+        threading.Thread(target=private.serve_forever, daemon=True).start()
+        try:
+            yield Stack(
+                pods,
+                router,
+                f"http://127.0.0.1:{http_port}",
+                f"127.0.0.1:{grpc_port}",
+                f"http://127.0.0.1:{closed}",
+                f"http://127.0.0.1:{opened}",
+                group,
+                f"127.0.0.70:{private.server_address[1]}",
+                hits,
+            )
+        finally:
+            private.shutdown()
 
 
 def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -209,9 +245,81 @@ def test_grpc_health_says_serving(stack: Stack) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def request(url: str, path: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url + path, body, {"content-type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def routing_headers(stack: Stack) -> dict[str, str]:
+    """Everything a client could send to choose a pod, all pointing at the private server."""
+    return {"x-gateway-destination-endpoint": stack.private, "x-prefiller-host-port": stack.private,
+            "x-prefiller-url": f"http://{stack.private}", "x-kvflow-profile": "no-such-profile"}
+
+
+@pytest.mark.parametrize("listener", ["closed", "open"])
+def test_client_routing_headers_never_choose_the_pod(stack: Stack, listener: str) -> None:
+    url = getattr(stack, listener)
+    before = served(stack.pods)
+    status, headers, body = post(url, {"model": MODEL, "prompt": prompt(11), "max_tokens": 2}, routing_headers(stack))
+    after = served(stack.pods)
+    assert status == 200, body  # an honoured x-kvflow-profile would have named an unknown profile: 503
+    assert [pod for pod in before if after[pod] > before[pod]] == [headers["x-kvflow-endpoint"]]
+    assert stack.private_hits == []
+
+
+@pytest.mark.parametrize("listener", ["closed", "open"])
+def test_only_openai_routes_reach_the_pods(stack: Stack, listener: str) -> None:
+    url = getattr(stack, listener)
+    for method, path in (("GET", "/_sim/faults"), ("POST", "/_sim/faults"), ("GET", "/metrics"),
+                         ("POST", "/reset_prefix_cache"), ("GET", "/v1/completions/../../_sim/state")):
+        status, body = request(url, path, method, b'{"fail_rate": 1}' if method == "POST" else None)
+        assert (status, json.loads(body)["error"]["type"]) == (404, "NotFoundError"), path
+    assert all(json.loads(pod_get(pod, "/_sim/faults"))["fail_rate"] == 0 for pod in stack.pods)
+    status, body = request(url, "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
+
+
+def pod_get(pod: Endpoint, path: str) -> bytes:
+    with urllib.request.urlopen(pod.url + path, timeout=10) as r:
+        return bytes(r.read())
+
+
+@pytest.mark.parametrize("listener", ["closed", "open"])
+def test_client_kv_transfer_params_are_refused(stack: Stack, listener: str) -> None:
+    params = {"do_remote_prefill": True, "remote_host": stack.private.split(":")[0],
+              "remote_port": int(stack.private.split(":")[1]), "remote_engine_id": "x", "remote_block_ids": [1]}
+    status, _, body = post(getattr(stack, listener), {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                                                      "kv_transfer_params": params})
+    error = json.loads(body)["error"]
+    assert (status, error["type"], error["param"]) == (400, "BadRequestError", "kv_transfer_params")
+    assert stack.private_hits == []
+
+
+@pytest.mark.parametrize("listener", ["closed", "open"])
+def test_the_router_caps_buffered_bodies(stack: Stack, listener: str) -> None:
+    status, _, body = post(getattr(stack, listener), {"model": MODEL, "prompt": "x " * MAX_BODY, "max_tokens": 1})
+    assert (status, json.loads(body)["error"]["code"]) == (413, 413)
+
+
 def test_fail_closed_and_fail_open_without_router(stack: Stack) -> None:
     stack.group.stop(stack.router)
     status, _, _ = post(stack.closed, {"model": MODEL, "prompt": "hello", "max_tokens": 1})
     assert status >= 500
     status, _, body = post(stack.open, {"model": MODEL, "prompt": "hello", "max_tokens": 1})
     assert status == 200 and json.loads(body)["object"] == "text_completion"
+
+
+def test_without_router_fail_close_is_503_and_fail_open_ignores_client_destinations(stack: Stack) -> None:
+    status, headers, body = post(stack.closed, {"model": MODEL, "prompt": "hello", "max_tokens": 1},
+                                 routing_headers(stack))
+    error = json.loads(body)["error"]
+    assert (status, error["type"], error["code"], headers["retry-after"]) == (503, "ServiceUnavailableError", 503, "1")
+    assert "router" in error["message"]
+    for _ in range(3):
+        status, _, body = post(stack.open, {"model": MODEL, "prompt": "hello", "max_tokens": 1}, routing_headers(stack))
+        assert status == 200 and json.loads(body)["object"] == "text_completion", body
+    assert stack.private_hits == []

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvflow.router import Router, load_config
-from kvflow.router.extproc import ExternalProcessor, _Exchange
+from kvflow.router.extproc import ExternalProcessor, ExtProcLimits, _Exchange
 from kvflow.router.model import EngineMetrics
 from kvflow.endpoints import Endpoint, Role
 
@@ -108,3 +111,66 @@ async def test_errors_become_immediate_responses() -> None:
     await proc._handle(ex, headers_msg(mode=4))
     (out,) = await proc._handle(ex, body_msg(BODY, end=True))
     assert out.immediate_response.status.code == 503
+
+
+def immediate(out: list[pb.ProcessingResponse]) -> tuple[int, dict[str, Any]]:
+    (resp,) = out
+    return resp.immediate_response.status.code, json.loads(resp.immediate_response.body)["error"]
+
+
+async def test_client_routing_headers_never_reach_the_scheduler_and_are_removed_from_the_request() -> None:
+    proc = ExternalProcessor(Router(load_config(None), PODS))
+    ex = _Exchange()
+    await proc._handle(ex, headers_msg(mode=4, x_gateway_destination_endpoint="10.9.9.9:80",
+                                 x_prefiller_host_port="10.9.9.9:80", x_kvflow_profile="no-such-profile"))
+    out = await proc._handle(ex, body_msg(BODY, end=True))
+    assert ex.request is not None and not {"x-kvflow-profile", "x-prefiller-host-port"} & set(ex.request.headers)
+    mutation = out[0].request_headers.response.header_mutation
+    assert set(set_headers(out[0], "request_headers")) == {"x-gateway-destination-endpoint"}
+    assert {"x-prefiller-host-port", "x-prefiller-url"} <= set(mutation.remove_headers)
+
+
+async def test_allowed_client_headers_reach_the_scheduler() -> None:
+    proc = ExternalProcessor(Router(load_config(None), PODS), ExtProcLimits(allow_client_headers=frozenset(
+        {"x-kvflow-profile"})))
+    ex = _Exchange()
+    await proc._handle(ex, headers_msg(mode=4, x_kvflow_profile="no-such-profile"))
+    assert immediate(await proc._handle(ex, body_msg(BODY, end=True)))[0] == 400  # honoured: an unknown profile
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    (json.dumps({"model": "m", "prompt": "x", "kv_transfer_params": {"remote_host": "10.9.9.9"}}).encode(), 400,
+     "kv_transfer_params"),
+    (b'{"model":"m","prompt":' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    (b"x" * 5000, 413, None),
+], ids=["client-kv-transfer-params", "nested-100000-deep", "over-the-body-cap"])
+async def test_bodies_the_router_refuses(body: bytes, status: int, param: str | None) -> None:
+    proc = ExternalProcessor(Router(load_config(None), PODS), ExtProcLimits(max_body_bytes=4096 if status == 413
+                                                                            else 1 << 20))
+    ex = _Exchange()
+    await proc._handle(ex, headers_msg(mode=4))
+    out = await proc._handle(ex, body_msg(body[:3000], end=False))
+    out = out or await proc._handle(ex, body_msg(body[3000:], end=True))
+    got, error = immediate(out)
+    assert (got, error["code"], error["param"]) == (status, status, param)
+    assert await proc._handle(ex, body_msg(b"more", end=True)) == []  # answered: the rest is ignored
+    assert sum(v.in_flight for v in proc.router.datastore.snapshot()) == 0
+
+
+async def test_over_the_stream_cap_newcomers_get_503_with_retry_after() -> None:
+    proc = ExternalProcessor(Router(load_config(None), PODS), ExtProcLimits(max_streams=1))
+
+    async def messages(*msgs: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingRequest]:
+        for msg in msgs:
+            yield msg
+
+    first = proc.Process(messages(headers_msg(mode=4)), None)  # type: ignore[arg-type]
+    assert [r async for r in first] == [] and proc.streams == 0
+    held = proc.Process(messages(headers_msg(mode=4), body_msg(BODY[:10], end=False)), None)  # type: ignore[arg-type]
+    assert await anext(held, None) is None  # one stream open ... and finished: the cap frees again
+    proc.streams = 1  # one stream in progress
+    out = [r async for r in proc.Process(messages(headers_msg(mode=4)), None)]  # type: ignore[arg-type]
+    got, error = immediate(out)
+    assert (got, error["type"]) == (503, "ServiceUnavailableError")
+    assert {h.header.key for h in out[0].immediate_response.headers.set_headers} >= {"retry-after"}
+    assert proc.streams == 1

@@ -281,4 +281,46 @@ async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monke
     finally:
         await sub.close()
         pub.close(linger=0)
+
+
+async def test_every_data_parallel_rank_is_subscribed() -> None:
+    """vLLM with data parallelism publishes one stream per rank, on port + rank, each with its
+    own sequence numbers: the router follows all of them for the pod's one endpoint."""
+    from kvflow.router import load_config
+
+    ctx = zmq.asyncio.Context()
+    pubs = [ctx.socket(zmq.PUB) for _ in range(2)]
+    base = pubs[0].bind_to_random_port("tcp://127.0.0.1")
+    try:
+        pubs[1].bind(f"tcp://127.0.0.1:{base + 1}")
+    except zmq.ZMQError:
+        ctx.destroy(linger=0)
+        import pytest
+
+        pytest.skip("the port after a random one was taken")
+    config = load_config({"kvEvents": {"port": base, "dataParallelSize": 2}})
+    endpoint = Endpoint("127.0.0.1", 8000)
+    assert config.kv_events_addresses(endpoint) == (f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}")
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index)
+    sub.add(endpoint, config.kv_events_addresses(endpoint))
+    rank0 = hash_request_tokens(list(range(16)), 16, seed="0")
+    rank1 = hash_request_tokens(list(range(100, 116)), 16, seed="0")
+    try:
+        for seq in range(1, 100):  # slow joiners: publish until both streams arrived
+            for rank, (pub, hashes) in enumerate(zip(pubs, (rank0, rank1))):
+                stored = BlockStoredV([to_external(h) for h in hashes], None, [], 16, None, None)
+                batch = msgspec.msgpack.encode(_Batch(ts=1.0, events=[stored], data_parallel_rank=rank))
+                # Both ranks count their own sequence: read as one stream, rank 1's would look
+                # like a restart of rank 0's and wipe the pod's blocks.
+                await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), batch])
+            await asyncio.sleep(0.02)
+            if index.blocks_of(endpoint.id) >= 2:
+                break
+        assert index.blocks_of(endpoint.id) == 2  # both ranks' blocks, neither taken for a restart
+        assert set(sub.last_seq) == {endpoint.id, f"{endpoint.id}#1"}
+    finally:
+        await sub.close()
+        for pub in pubs:
+            pub.close(linger=0)
         ctx.destroy(linger=0)

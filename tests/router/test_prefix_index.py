@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvflow.hashing import hash_request_tokens, to_external
@@ -75,3 +77,40 @@ def test_lora_changes_every_hash() -> None:
     plain = cache.for_request(list(range(32))).all()
     lora = cache.for_request(list(range(32)), ("my-adapter",)).all()
     assert not set(plain) & set(lora)
+
+
+def test_a_pod_cannot_grow_the_precise_index_past_its_capacity() -> None:
+    from kvflow.router.kv_events import BlockStored, apply
+
+    index = PrefixIndex(default_capacity=1000)  # until the pod's metrics report num_gpu_blocks
+    apply(index, A, [BlockStored(tuple(range(1, 5001)), None)])  # a pod that floods, or lost its BlockRemoved
+    assert index.blocks_of(A) == 1000 and index.match(range(4001, 5001)) == {A: 1000}
+    index.set_capacity(A, 10)  # vllm:cache_config_info num_gpu_blocks: its oldest go
+    assert index.blocks_of(A) == 10 and index.match(range(4991, 5001)) == {A: 10}
+    assert len(index) == 10
+
+
+def test_a_compact_index_weighs_tens_of_bytes_per_entry() -> None:
+    index = PrefixIndex()
+    rng = random.Random(0)
+    for pod in range(20):
+        index.add(EndpointId(f"10.0.0.{pod}:8000"), [rng.getrandbits(64) for _ in range(5000)])
+    assert index.nbytes() / 100_000 < 64
+
+
+def test_the_walk_stops_once_no_endpoint_still_matches() -> None:
+    asked: list[int] = []
+
+    def lazy():  # type: ignore[no-untyped-def]
+        for i, h in enumerate([1, 2, 3, 4]):
+            asked.append(i)
+            yield h
+
+    holders = {1: {A}, 2: {B}, 3: {B}, 4: {B}}  # B holds later blocks, but not the first
+    assert longest_prefixes(holders, lazy()) == {A: 1} and asked == [0, 1]
+    table = PrefixIndex()
+    for h, eps in holders.items():
+        for ep in eps:
+            table.add(ep, [h])
+    asked.clear()
+    assert table.match(lazy()) == {A: 1} and asked == [0, 1]

@@ -56,7 +56,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             host = f"127.0.0.{150 + i}"
             port = free_port(host)
             argv = kvflow_argv("sim", "--host", host, "--port", str(port), "--profile", "fast", "--model", MODEL,
-                               "--lora-modules", f"{ADAPTER}=/adapters/{ADAPTER}")
+                               "--lora-modules", f"{ADAPTER}=/adapters/{ADAPTER}",
+                               "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # tools, as vLLM
             group.start(f"sim{i}", argv, env={"PYTHONHASHSEED": "0"}, ready_url=f"http://{host}:{port}/health")
             pods.append(Endpoint(host, port))
         # both routers: the same pool, and a profile that depends on nothing but what each has routed
@@ -72,7 +73,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         }))
         grpc_port, http_port = free_port(), free_port()
         group.start("router", kvflow_argv("router", "--config", str(config), "--port", str(grpc_port),
-                                          "--metrics-port", str(http_port)),
+                                          "--metrics-port", str(http_port), "--grpc-health-port", "0",
+                                          "--no-secure-serving"),  # Envoy speaks plaintext here
                     ready_url=f"http://127.0.0.1:{http_port}/healthz")
         listener, admin = free_port(), free_port()
         bootstrap = render([Listener("127.0.0.1", listener)], ("127.0.0.1", grpc_port), pods, admin=("127.0.0.1", admin))

@@ -29,6 +29,7 @@ def run(
     decoding: dict[int, int] | None = None,
     speed: dict[int, float] | None = None,
     n: int = 3,
+    copy_weight: float = 0.0,
 ) -> dict[int, float]:
     """Estimates (tokens of work, or seconds once speeds are known) per pod index."""
     eps = pods(n)
@@ -37,7 +38,7 @@ def run(
     for i, blocks in cached.items():
         precise.add(eps[i].id, hashes[:blocks])
     ctx = PluginContext(ApproxPrefixIndex(), precise, None, {ep.id for ep in eps}, STEP)
-    scorer = build("ttft", "ttft-scorer", {}, ctx)[1]
+    scorer = build("ttft", "ttft-scorer", {"copyWeight": copy_weight}, ctx)[1]
     views = []
     for i, ep in enumerate(eps):
         counter = LoadCounter(default_rate=1.0)  # a token a second; the clock stands still, nothing drains
@@ -47,6 +48,7 @@ def run(
         counter.in_flight += (decoding or {}).get(i, 0)
         counter.seconds_per_token = (speed or {}).get(i, 0.0)
         metrics = EngineMetrics(waiting=(waiting or {}).get(i, 0))
+        counter.observe(metrics)  # as a scrape taken before this router sent anything would
         views.append(EndpointView(ep, metrics, counter=counter))
     request = SchedulingRequest("r", "m", PROMPT)
     cycle = Cycle(request, BlockHashCache(16).for_request(PROMPT), random.Random(0), 16, now=0.0)
@@ -72,6 +74,15 @@ def test_a_hot_prefix_spreads_once_its_queue_costs_more_than_recomputing_it() ->
 def test_a_cold_prefix_stays_home_behind_a_short_queue() -> None:
     est = run({0: 30}, queued={0: 300})
     assert min(est, key=est.__getitem__) == 0
+
+
+def test_copying_a_prefix_another_pod_holds_costs_the_capacity_it_takes() -> None:
+    # two requests of a new prefix arrive together: the second waits behind the first at home
+    # (600 queued) or copies the 480 cached tokens to an idle pod, at the cost of that copy
+    assert run({0: 30}, queued={0: 600}, copy_weight=1.0) == {0: 600 + 32 + STEP, 1: 512 + 480 + STEP,
+                                                              2: 512 + 480 + STEP}
+    est = run({0: 30}, queued={0: 2000}, copy_weight=1.0)  # a busy home: the copy is worth it
+    assert min(est, key=est.__getitem__) != 0
 
 
 def test_other_routers_waiting_requests_count_at_the_mean_work() -> None:

@@ -137,3 +137,66 @@ def test_sim_pods_with_kv_events_publish_on_a_socket_subscribers_connect_to(sim_
         assert (topic, seq) == (f"kv@{pod.host}:{pod.port}".encode(), bytes(8))
     finally:
         sub.close(linger=0)
+
+
+def test_greedy_answers_repeat_and_choice_j_samples_with_seed_plus_j(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant")
+    greedy = {**COMPLETION, "temperature": 0, "max_tokens": 6}
+    assert len({pod.post_json("/v1/completions", greedy)[1]["choices"][0]["text"] for _ in range(3)}) == 1
+    three = pod.post_json("/v1/completions", {**COMPLETION, "max_tokens": 6, "n": 3, "seed": 40})[1]["choices"]
+    alone = [pod.post_json("/v1/completions", {**COMPLETION, "max_tokens": 6, "seed": 40 + j})[1]["choices"][0]
+             for j in range(3)]
+    assert [c["text"] for c in three] == [c["text"] for c in alone]  # vLLM's ParentRequest: seed + index
+
+
+def test_a_stop_string_ends_the_text_and_stays_in_it_only_when_asked(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant")
+    greedy = {**COMPLETION, "temperature": 0, "max_tokens": 6}
+    stop = pod.post_json("/v1/completions", greedy)[1]["choices"][0]["text"][:4]
+    plain = pod.post_json("/v1/completions", {**greedy, "stop": stop})[1]["choices"][0]
+    kept = pod.post_json("/v1/completions", {**greedy, "stop": stop, "include_stop_str_in_output": True})[1]
+    assert (plain["text"], plain["finish_reason"], plain["stop_reason"]) == ("", "stop", stop)
+    assert kept["choices"][0]["text"] == stop
+
+
+def test_load_stays_0_without_load_tracking(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "h100-llama8b")
+    body = json.dumps({**COMPLETION, "max_tokens": 2000, "stream": True}).encode()
+    with socket.create_connection((pod.host, pod.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert json.loads(pod.get("/load")) == {"server_load": 0}  # as vLLM without the flag
+
+
+def test_chats_with_parts_no_content_and_developer_render_with_the_builtin_tokenizer(sim_pods: Any) -> None:
+    [pod] = sim_pods(1, "--profile", "instant")
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief"}]},
+                {"role": "user", "content": "hi"}, {"role": "assistant"}]
+    status, tokens = pod.post_json("/tokenize", {"messages": messages, "add_generation_prompt": False})
+    _, text = pod.post_json("/detokenize", {"tokens": tokens["tokens"]})
+    assert status == 200
+    assert text["prompt"] == ("<|im_start|>system\nBe\nbrief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                              "<|im_start|>assistant\n<|im_end|>\n")
+    status, body = pod.post_json("/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                                          "add_generation_prompt": False, "return_token_ids": True})
+    assert (status, body["prompt_token_ids"], body["choices"][0]["message"]["role"]) == (200, tokens["tokens"],
+                                                                                          "assistant")
+
+
+def test_tool_choices_take_vllms_tool_flags(sim_pods: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "weather"}}]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools}
+    [plain, tooled] = sim_pods(1, "--profile", "instant") + sim_pods(
+        1, "--profile", "instant", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    status, body = plain.post_json("/v1/chat/completions", chat)  # tools imply tool_choice "auto"
+    assert (status, body["error"]["message"]) == (
+        400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    assert [tooled.post_json("/v1/chat/completions", {**chat, "tool_choice": c})[0]
+            for c in ("auto", "required", {"type": "function", "function": {"name": "weather"}})] == [200] * 3
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_at_start_up() -> None:
+    from kvflow.sim.cli import main
+
+    assert main(["--enable-auto-tool-choice", "--port", "0"]) == 2

@@ -1,0 +1,95 @@
+"""kvflow's own router, replayed: the real ``Router`` deciding inside the oracle's simulation.
+
+The replay (``kvbench.oracle.replay``) runs the simulator's scheduler on a virtual clock; this
+policy puts an in-process ``kvflow.router.Router`` in it, fed the way it is fed in production:
+each pod's KV events (encoded and decoded through the real wire format) after every step, its
+``/metrics`` as the scraper would see them every ``scrapeIntervalSeconds`` (spread over the
+interval), and its own accounting (``Flight``) told of every dispatch, first token and finish.
+The router's clock is the replay's. So a row "kvflow <profile> (replay)" is the routing policy's
+quality with no HTTP, no event-loop jitter and no CPU contention: beside the oracle and
+round-robin on the same replay, it says how much of a live gap is the policy and how much the
+machine, and it is deterministic (a tuning loop runs in seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from kvflow.endpoints import Endpoint
+from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
+from kvflow.router.flight import Flight
+from kvflow.router.kv_events import apply, decode_batch
+from kvflow.sim.events import KVEventBatch
+from kvflow.sim.profiles import Profile
+
+from kvbench.oracle import Pod, Prepared
+
+MODEL = "sim-model"
+
+
+class KvflowReplay:
+    """A ``Policy`` and ``Observer`` for ``oracle.replay``: the real router, on the replay's clock."""
+
+    def __init__(self, pods: int, num_blocks: int, *, profile: str = "default",
+                 config: Mapping[str, Any] | None = None) -> None:
+        self.name = f"kvflow {profile} (replay)"
+        self.now = 0.0
+        self.endpoints = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(pods)]
+        raw = {"kvEvents": {"enabled": False}, **(config or {})}
+        self.router = Router(load_config(raw), self.endpoints, profile=profile, clock=lambda: self.now)
+        self.scrape_interval = self.router.config.scrape_interval
+        self.num_blocks = num_blocks
+        self.flights: dict[int, Flight] = {}
+        self.picks: dict[int, int] = {}
+        """Trace request index -> the pod it was sent to."""
+        self.decide_seconds = 0.0
+        """CPU time the router spent deciding (thread time), for the whole replay."""
+
+    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int:
+        self.now = now
+        request = SchedulingRequest(str(prepared.request.index), MODEL, list(prepared.token_ids))
+        started = time.thread_time()
+        result = self.router.schedule(request)
+        flight = self.router.flight(request, result)
+        flight.send(result.targets[0])
+        self.decide_seconds += time.thread_time() - started
+        self.flights[prepared.request.index] = flight
+        pod = self.picks[prepared.request.index] = self.endpoints.index(result.targets[0])
+        return pod
+
+    def first_token(self, index: int, now: float) -> None:
+        self.now = now
+        flight = self.flights.get(index)
+        if flight is not None:
+            flight.first_token()
+
+    def finished(self, index: int, now: float) -> None:
+        self.now = now
+        flight = self.flights.pop(index, None)
+        if flight is not None:
+            flight.finish()
+
+    def stepped(self, pod: Pod, now: float) -> None:
+        """The pod's KV events of this step, through the wire format, into the precise index."""
+        self.now = now
+        events = pod.scheduler.pool.take_events()
+        if not events:
+            return
+        eid = self.endpoints[pod.index].id
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=now, events=events))
+        apply(self.router.precise, eid, decode_batch(payload), self.router.speculative)
+        self.router.event_sources.add(eid)
+
+    def scraped(self, pod: Pod, now: float) -> None:
+        self.now = now
+        sched = pod.scheduler
+        metrics = EngineMetrics(running=len(sched.running), waiting=sched.num_waiting, kv_usage=sched.pool.usage,
+                                block_size=sched.config.block_size, num_blocks=self.num_blocks,
+                                models=frozenset({MODEL}))
+        endpoint = self.endpoints[pod.index]
+        self.router.datastore.record_scrape(endpoint.id, metrics, now)
+        self.router.approx.set_capacity(endpoint.id, self.num_blocks)

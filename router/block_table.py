@@ -1,0 +1,526 @@
+"""``BlockTable``: which endpoints hold which KV blocks, in flat arrays (about 50 bytes an entry).
+
+The prefix indexes keep one entry per (block, endpoint); as Python dicts of sets that cost
+about 350 bytes an entry, so a million blocks on many pods took most of a gigabyte. Here
+every field is a slot in an ``array.array`` of machine ints, read and written from Python by
+index (numpy rebuilds the slots, compacts logs and looks up many computed hashes at once):
+
+* **blocks**, one record per distinct block hash: ``key[r]`` its 64-bit external hash,
+  ``mix[r]`` its *holder mix* — the XOR of a random 64-bit key per holding endpoint, so equal
+  mixes mean equal holder sets (but for a 2**-64 chance) — and ``first[r]`` its first entry
+  (a free record links the free list as -2 - next).
+* **slots**, hash -> record: open addressing, probed linearly from a multiply-shift of the
+  hash with a random odd multiplier (a pod cannot pick hashes that pile into one probe run),
+  at most half full (recently stored blocks, the hot ones, sit at the end of probe runs),
+  deleted from by backward shift (no tombstones).
+* **entries**, one per (block, endpoint): ``owner`` (a small int per endpoint), ``block`` (its
+  record; on the free list, the next free entry), ``next`` (the block's next holder) and
+  ``stamp`` (its place in its endpoint's age log).
+* **age logs**, one per endpoint: entry ids, oldest first. Storing a block appends its entry
+  (with ``refresh``, storing it again does too: LRU instead of FIFO). An entry is current at
+  the place its stamp names, so a removal just leaves a stale place behind, skipped when met
+  at the head and dropped when the log is compacted (stale places are at most half the log).
+
+Freed records and entries are reused; the arrays keep their high-water size.
+``tests/router/test_block_table.py`` checks every operation against a dict-of-sets model.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvflow.endpoints import EndpointId
+
+UINT64_MAX = (1 << 64) - 1
+MAX_ENDPOINTS = 0xFFFF
+_NONE = -1
+_FREE = 0xFFFF  # the owner of a free entry
+_MAX_LOAD = 0.5
+_MIN_SLOTS = 1 << 10
+_LOG_SLACK = 1024  # stale log places an endpoint may keep beyond half its entries
+_VECTOR_MIN = 64  # computed hashes looked up with numpy from this many on
+
+
+class LazyChain(Protocol):
+    """A hash chain computed on demand (``router.hashcache.RequestHashes``)."""
+
+    def known(self) -> list[int]:
+        """The hashes computed so far, a prefix of the chain, without computing more."""
+        ...
+
+    def iter_from(self, i: int) -> Iterator[int]:
+        """The chain from block ``i`` on, computed as it is read."""
+        ...
+
+
+def checked_hashes(hashes: Iterable[Any]) -> list[int]:
+    """The hashes as a list, or a ValueError naming the first that is not an unsigned 64-bit int."""
+    out = hashes if type(hashes) is list else list(hashes)
+    for h in out:
+        if type(h) is not int or not 0 <= h <= UINT64_MAX:
+            raise ValueError(f"block hash {h!r:.40} is not an unsigned 64-bit int")
+    return out
+
+
+def _table_size(blocks: int) -> int:
+    """The smallest power-of-two slot table that holds ``blocks`` under the load limit."""
+    size = _MIN_SLOTS
+    while blocks > _MAX_LOAD * size:
+        size *= 2
+    return size
+
+
+class BlockTable:
+    """(block, endpoint) entries, an age order per endpoint, and a cap on each endpoint's count."""
+
+    def __init__(self, *, refresh: bool, default_capacity: int | None = None) -> None:
+        self.refresh = refresh
+        """Storing a block an endpoint holds makes it the youngest (else nothing changes)."""
+        self.default_capacity = default_capacity
+        """The cap for an endpoint whose capacity was never set (None: no cap)."""
+        self._capacity: dict[EndpointId, int] = {}
+        self._mul = secrets.randbits(64) | 1
+        # blocks
+        self._key = array("Q")
+        self._mix = array("Q")
+        self._first = array("i")
+        self._free_record = _NONE
+        self._blocks = 0
+        self._rehash(_MIN_SLOTS)
+        # entries
+        self._owner = array("H")
+        self._block = array("i")
+        self._next = array("i")
+        self._stamp = array("I")
+        self._free_entry = _NONE
+        # endpoints, by small int
+        self._ids: list[EndpointId | None] = []
+        self._keys: list[int] = []
+        self._counts: list[int] = []
+        self._logs: list[array[int]] = []
+        self._log_start: list[int] = []
+        self._by_id: dict[EndpointId, int] = {}
+        self._free_endpoints: list[int] = []
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Distinct blocks held by anyone."""
+        return self._blocks
+
+    def blocks_of(self, endpoint: EndpointId) -> int:
+        p = self._by_id.get(endpoint)
+        return 0 if p is None else self._counts[p]
+
+    def entries(self) -> int:
+        """(block, endpoint) entries in all."""
+        return sum(self._counts)
+
+    def nbytes(self) -> int:
+        """Bytes the arrays hold, over-allocation included (not the few Python objects per endpoint)."""
+        arrays = (self._slots, self._key, self._mix, self._first, self._owner, self._block, self._next, self._stamp)
+        return sum(sys.getsizeof(a) for a in (*arrays, *self._logs))
+
+    def longest_probe(self) -> int:
+        """Slots the longest lookup reads (a health check: short whatever hashes pods send)."""
+        slots = np.frombuffer(self._slots, np.int32)
+        at = np.flatnonzero(slots >= 0)
+        if not at.size:
+            return 0
+        keys = np.frombuffer(self._key, np.uint64)[slots[at]]
+        home = ((keys * np.uint64(self._mul)) >> np.uint64(self._shift)).astype(np.int64)
+        return int(((at - home) & self._mask).max()) + 1
+
+    def capacity_of(self, endpoint: EndpointId) -> int | None:
+        return self._capacity.get(endpoint, self.default_capacity)
+
+    def holders_of(self, h: int) -> set[EndpointId]:
+        r = self._find(h)
+        return set() if r < 0 else {self._ids[p] for p in self._holders(r)}  # type: ignore[misc]
+
+    def oldest_first(self, endpoint: EndpointId) -> list[int]:
+        """The endpoint's block hashes, oldest (the next to be evicted) first."""
+        p = self._by_id.get(endpoint)
+        if p is None:
+            return []
+        log, start = self._logs[p], self._log_start[p]
+        return [self._key[self._block[log[q]]] for q in range(start, len(log)) if self._current(p, log[q], q)]
+
+    @property
+    def holders(self) -> Mapping[int, set[EndpointId]]:
+        """Block hash -> the endpoints holding it (a read-only view)."""
+        return _HoldersView(self)
+
+    def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
+        """Leading blocks of ``chain`` each endpoint holds (endpoints holding none are absent).
+
+        ``prefix_index.longest_prefixes``'s walk over this table. Hashes already computed — a
+        list, or what a ``LazyChain`` knows — are looked up all at once with numpy; the rest
+        one at a time as the chain yields them, and the chain is not advanced past the first
+        block nobody holds. A block whose holder mix equals the previous block's has the same
+        holders, so the common case (the same endpoints hold block after block) costs one
+        probe and one compare a block.
+        """
+        matched: dict[int, int] = {}
+        lazy: LazyChain | None = chain if hasattr(chain, "iter_from") else None  # type: ignore[assignment]
+        known = chain if isinstance(chain, list) else lazy.known() if lazy is not None else []
+        if len(known) < _VECTOR_MIN:  # numpy's fixed cost exceeds the saving
+            known = []
+        alive, i, last_mix = self._walk_known(known, matched)
+        if (alive is None or alive) and (not known or (lazy is not None and i == len(known))):
+            rest = lazy.iter_from(i) if lazy is not None else iter(chain)
+            alive, i = self._walk_lazy(rest, i, alive, last_mix, matched)
+        for p in alive or ():
+            matched[p] = i
+        ids = self._ids
+        return {ids[p]: n for p, n in matched.items()}  # type: ignore[misc]
+
+    def _walk_known(self, known: list[int], matched: dict[int, int]) -> tuple[set[int] | None, int, int]:
+        """The walk over computed hashes: (endpoints still matching or None if none walked,
+        blocks walked, the last block's holder mix)."""
+        if not known:
+            return None, 0, 0
+        if self._find(known[0]) < 0:  # nobody holds the first block: no need to look further
+            return set(), 0, 0
+        records = self._find_many(np.array(known, dtype=np.uint64))
+        missing = np.flatnonzero(records < 0)
+        stop = int(missing[0]) if missing.size else len(known)
+        if stop == 0:
+            return set(), 0, 0
+        mixes = np.frombuffer(self._mix, np.uint64)[records[:stop]]
+        alive: set[int] | None = None
+        for i in [0, *(np.flatnonzero(mixes[1:] != mixes[:-1]) + 1).tolist()]:
+            alive = self._narrow(alive, int(records[i]), i, matched)
+            if not alive:
+                return alive, i, 0
+        return alive, stop, int(mixes[stop - 1])
+
+    def _walk_lazy(
+        self, it: Iterator[int], i: int, alive: set[int] | None, last_mix: int, matched: dict[int, int]
+    ) -> tuple[set[int], int]:
+        """The walk over hashes computed as it goes: one probe per block, inlined."""
+        slots, key, mix, mul, shift, mask = self._slots, self._key, self._mix, self._mul, self._shift, self._mask
+        for h in it:
+            s = (h * mul >> shift) & mask
+            r = slots[s]
+            while r >= 0 and key[r] != h:
+                s = (s + 1) & mask
+                r = slots[s]
+            if r < 0:
+                break
+            if alive is None or mix[r] != last_mix:
+                last_mix = mix[r]
+                alive = self._narrow(alive, r, i, matched)
+                if not alive:
+                    break
+            i += 1
+        return alive or set(), i
+
+    def _narrow(self, alive: set[int] | None, r: int, i: int, matched: dict[int, int]) -> set[int]:
+        """Block ``i`` (record ``r``) has other holders than the block before: who still matches."""
+        holders = self._holders(r)
+        if alive is None:
+            return holders
+        if not alive <= holders:
+            for p in alive - holders:
+                matched[p] = i
+            alive &= holders
+        return alive
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def add(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+        """``endpoint`` now holds these blocks, stored in this order; then its oldest are
+        evicted while it holds more than its capacity."""
+        hashes = checked_hashes(hashes)
+        if not hashes:
+            return
+        p = self._endpoint_index(endpoint)
+        if self._blocks + len(hashes) > _MAX_LOAD * len(self._slots):
+            self._rehash(_table_size(self._blocks + len(hashes)))
+        # One loop, everything inlined: a routed 8k-token prompt stores 512 blocks.
+        slots, key, mix, first = self._slots, self._key, self._mix, self._first
+        mul, shift, mask = self._mul, self._shift, self._mask
+        owner, block, nxt, stamp = self._owner, self._block, self._next, self._stamp
+        log, endpoint_key, refresh = self._logs[p], self._keys[p], self.refresh
+        added = 0
+        for h in hashes:
+            s = (h * mul >> shift) & mask
+            r = slots[s]
+            while r >= 0 and key[r] != h:
+                s = (s + 1) & mask
+                r = slots[s]
+            if r < 0:  # a new block: its record takes the free slot the probe stopped at
+                r = self._free_record
+                if r >= 0:
+                    self._free_record = -2 - first[r]
+                    key[r], mix[r], first[r] = h, 0, _NONE
+                else:
+                    r = len(first)
+                    key.append(h)
+                    mix.append(0)
+                    first.append(_NONE)
+                slots[s] = r
+                self._blocks += 1
+            else:
+                e = first[r]
+                while e >= 0 and owner[e] != p:
+                    e = nxt[e]
+                if e >= 0:  # held already
+                    if refresh:
+                        stamp[e] = len(log)
+                        log.append(e)
+                    continue
+            e = self._free_entry
+            if e >= 0:
+                self._free_entry = block[e]
+                owner[e], block[e], nxt[e], stamp[e] = p, r, first[r], len(log)
+            else:
+                e = len(owner)
+                owner.append(p)
+                block.append(r)
+                nxt.append(first[r])
+                stamp.append(len(log))
+            first[r] = e
+            mix[r] ^= endpoint_key
+            log.append(e)
+            added += 1
+        self._counts[p] += added
+        self._maybe_compact(p)
+        self._evict(p)
+
+    def remove(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+        """``endpoint`` no longer holds these blocks (those it did not hold are ignored)."""
+        p = self._by_id.get(endpoint)
+        if p is None:
+            return
+        owner, nxt, first = self._owner, self._next, self._first
+        for h in checked_hashes(hashes):
+            r = self._find(h)
+            e = _NONE if r < 0 else first[r]
+            while e >= 0 and owner[e] != p:
+                e = nxt[e]
+            if e >= 0:
+                self._drop(e)
+        self._after_drops(p)
+
+    def clear(self, endpoint: EndpointId) -> None:
+        """Forget everything ``endpoint`` holds (its capacity is kept)."""
+        p = self._by_id.get(endpoint)
+        if p is None:
+            return
+        log = self._logs[p]
+        for q in range(self._log_start[p], len(log)):
+            if self._current(p, log[q], q):
+                self._drop(log[q])
+        self._after_drops(p)
+
+    def set_capacity(self, endpoint: EndpointId, blocks: int) -> None:
+        """The most blocks ``endpoint`` may hold; its oldest beyond that are evicted now."""
+        self._capacity[endpoint] = max(1, blocks)
+        p = self._by_id.get(endpoint)
+        if p is not None:
+            self._evict(p)
+
+    def forget(self, endpoint: EndpointId) -> None:
+        """``clear``, and its capacity too (the endpoint left the pool)."""
+        self.clear(endpoint)
+        self._capacity.pop(endpoint, None)
+
+    # -- blocks and slots ------------------------------------------------------------------
+
+    def _find(self, h: int) -> int:
+        """The record of block ``h``, or -1."""
+        slots, key, mask = self._slots, self._key, self._mask
+        s = (h * self._mul >> self._shift) & mask
+        r = slots[s]
+        while r >= 0 and key[r] != h:
+            s = (s + 1) & mask
+            r = slots[s]
+        return r
+
+    def _find_many(self, hashes: np.ndarray) -> np.ndarray:
+        """``_find`` for many hashes at once: a few probe steps in numpy, the rare long probe
+        runs one by one."""
+        slots, keys = np.frombuffer(self._slots, np.int32), np.frombuffer(self._key, np.uint64)
+        records = np.full(len(hashes), _NONE, np.int32)
+        todo, want = np.arange(len(hashes)), hashes
+        at = ((hashes * np.uint64(self._mul)) >> np.uint64(self._shift)).astype(np.intp)
+        for _ in range(4):
+            found = slots[at]
+            occupied = found >= 0
+            same = occupied & (keys[found] == want)  # found -1 reads the last key: masked out
+            records[todo[same]] = found[same]
+            on = occupied & ~same
+            if not on.any():
+                return records
+            todo, want, at = todo[on], want[on], (at[on] + 1) & self._mask
+        for j in todo.tolist():
+            records[j] = self._find(int(hashes[j]))
+        return records
+
+    def _delete_block(self, r: int) -> None:
+        """Take record ``r`` out of the slots and onto the free list. Backward shift: the later
+        records of its probe run move up into the hole, so no lookup stops early."""
+        slots, key, mul, shift, mask = self._slots, self._key, self._mul, self._shift, self._mask
+        s = (key[r] * mul >> shift) & mask
+        while slots[s] != r:
+            s = (s + 1) & mask
+        hole, s = s, (s + 1) & mask
+        while (moved := slots[s]) >= 0:
+            home = (key[moved] * mul >> shift) & mask
+            if (s - home) & mask >= (s - hole) & mask:  # its home is not in (hole, s]: it may move
+                slots[hole] = moved
+                hole = s
+            s = (s + 1) & mask
+        slots[hole] = _NONE
+        self._first[r] = -2 - self._free_record  # <= -1: not a live record
+        self._free_record = r
+        self._blocks -= 1
+
+    def _live_records(self) -> np.ndarray:
+        return np.flatnonzero(np.frombuffer(self._first, np.int32) >= 0)
+
+    def _rehash(self, size: int) -> None:
+        """A slot table of ``size`` (a power of two) holding every live record."""
+        self._slots = array("i", bytes(4 * size))
+        self._shift, self._mask = 64 - (size.bit_length() - 1), size - 1
+        slots = np.frombuffer(self._slots, np.int32)
+        slots[:] = _NONE
+        if not self._blocks:
+            return
+        live = self._live_records()
+        keys = np.frombuffer(self._key, np.uint64)[live]
+        home = (keys * np.uint64(self._mul)) >> np.uint64(self._shift)  # numpy's product wraps mod 2**64
+        # Probe runs are short at this load: place every record whose slot is free (the first
+        # claimant of each), move the others one slot on, repeat. No slot is emptied meanwhile,
+        # so no record lands beyond a free slot of its probe run.
+        while live.size:
+            claims = np.zeros(live.size, bool)
+            claims[np.unique(home, return_index=True)[1]] = True
+            placed = claims & (slots[home] == _NONE)
+            slots[home[placed]] = live[placed]
+            live, home = live[~placed], (home[~placed] + np.uint64(1)) & np.uint64(self._mask)
+
+    # -- entries ---------------------------------------------------------------------------
+
+    def _holders(self, r: int) -> set[int]:
+        owner, nxt = self._owner, self._next
+        out = set()
+        e = self._first[r]
+        while e >= 0:
+            out.add(owner[e])
+            e = nxt[e]
+        return out
+
+    def _drop(self, e: int) -> None:
+        """Unlink entry ``e`` from its block (deleting a block nobody holds) and free it."""
+        r, p = self._block[e], self._owner[e]
+        first, nxt = self._first, self._next
+        if first[r] == e:
+            first[r] = nxt[e]
+        else:
+            prev = first[r]
+            while nxt[prev] != e:
+                prev = nxt[prev]
+            nxt[prev] = nxt[e]
+        self._mix[r] ^= self._keys[p]
+        if first[r] < 0:
+            self._delete_block(r)
+        self._counts[p] -= 1
+        self._owner[e] = _FREE
+        self._block[e] = self._free_entry
+        self._free_entry = e
+
+    # -- endpoints and their age logs ------------------------------------------------------
+
+    def _endpoint_index(self, endpoint: EndpointId) -> int:
+        p = self._by_id.get(endpoint)
+        if p is not None:
+            return p
+        if self._free_endpoints:
+            p = self._free_endpoints.pop()
+            self._ids[p], self._keys[p], self._counts[p] = endpoint, secrets.randbits(64), 0
+        else:
+            p = len(self._ids)
+            if p >= MAX_ENDPOINTS:
+                raise ValueError(f"a block table holds at most {MAX_ENDPOINTS} endpoints")
+            self._ids.append(endpoint)
+            self._keys.append(secrets.randbits(64))
+            self._counts.append(0)
+            self._logs.append(array("i"))
+            self._log_start.append(0)
+        self._by_id[endpoint] = p
+        return p
+
+    def _current(self, p: int, e: int, q: int) -> bool:
+        """Whether place ``q`` of ``p``'s log is entry ``e``'s current place."""
+        return self._owner[e] == p and self._stamp[e] == q
+
+    def _evict(self, p: int) -> None:
+        limit = self._capacity.get(self._ids[p], self.default_capacity)  # type: ignore[arg-type]
+        if limit is None or self._counts[p] <= limit:
+            return
+        log, q = self._logs[p], self._log_start[p]
+        while self._counts[p] > limit:
+            if self._current(p, log[q], q):
+                self._drop(log[q])
+            q += 1
+        self._log_start[p] = q
+        self._after_drops(p)
+
+    def _after_drops(self, p: int) -> None:
+        if self._counts[p] == 0:
+            self._release(p)
+        else:
+            self._maybe_compact(p)
+
+    def _maybe_compact(self, p: int) -> None:
+        if len(self._logs[p]) > self._counts[p] + self._counts[p] // 2 + _LOG_SLACK:
+            self._compact(p)
+
+    def _compact(self, p: int) -> None:
+        """Drop the log's stale places; current entries keep their order and get new stamps."""
+        start = self._log_start[p]
+        log = np.frombuffer(self._logs[p], np.int32)[start:]
+        stamps = np.frombuffer(self._stamp, np.uint32)
+        places = np.arange(start, start + len(log))
+        current = log[(np.frombuffer(self._owner, np.uint16)[log] == p) & (stamps[log] == places)]
+        stamps[current] = np.arange(len(current), dtype=np.uint32)
+        del log, stamps  # numpy views pin the arrays' buffers
+        self._logs[p] = array("i", current.tobytes())
+        self._log_start[p] = 0
+
+    def _release(self, p: int) -> None:
+        """An endpoint that holds nothing gives its small int back (pods come and go)."""
+        del self._by_id[self._ids[p]]  # type: ignore[arg-type]
+        self._ids[p] = None
+        self._logs[p] = array("i")
+        self._log_start[p] = 0
+        self._free_endpoints.append(p)
+
+
+class _HoldersView(Mapping[int, set[EndpointId]]):
+    __slots__ = ("_table",)
+
+    def __init__(self, table: BlockTable) -> None:
+        self._table = table
+
+    def __getitem__(self, h: int) -> set[EndpointId]:
+        found = self._table.holders_of(h) if type(h) is int and 0 <= h <= UINT64_MAX else set()
+        if not found:
+            raise KeyError(h)
+        return found
+
+    def __iter__(self) -> Iterator[int]:
+        key = self._table._key
+        return (key[r] for r in self._table._live_records().tolist())
+
+    def __len__(self) -> int:
+        return len(self._table)

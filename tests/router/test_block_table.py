@@ -1,0 +1,167 @@
+"""BlockTable keeps the prefix indexes' entries in flat arrays; it must behave exactly like dicts of sets."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from kvflow.endpoints import EndpointId
+from kvflow.router import block_table
+from kvflow.router.block_table import BlockTable
+from kvflow.router.prefix_index import longest_prefixes
+
+A, B, C = EndpointId("a:1"), EndpointId("b:1"), EndpointId("c:1")
+
+
+class Model:
+    """The specification: each endpoint's blocks, oldest first, in a plain list."""
+
+    def __init__(self, refresh: bool, default_capacity: int | None = None) -> None:
+        self.refresh = refresh
+        self.default_capacity = default_capacity
+        self.order: dict[EndpointId, list[int]] = {}
+        self.capacity: dict[EndpointId, int] = {}
+
+    def holders(self) -> dict[int, set[EndpointId]]:
+        out: dict[int, set[EndpointId]] = {}
+        for ep, hashes in self.order.items():
+            for h in hashes:
+                out.setdefault(h, set()).add(ep)
+        return out
+
+    def add(self, ep: EndpointId, hashes: list[int]) -> None:
+        mine = self.order.setdefault(ep, [])
+        for h in hashes:
+            if h not in mine:
+                mine.append(h)
+            elif self.refresh:
+                mine.remove(h)
+                mine.append(h)
+        self._evict(ep)
+
+    def remove(self, ep: EndpointId, hashes: list[int]) -> None:
+        mine = self.order.get(ep, [])
+        for h in hashes:
+            if h in mine:
+                mine.remove(h)
+
+    def set_capacity(self, ep: EndpointId, n: int) -> None:
+        self.capacity[ep] = n
+        self._evict(ep)
+
+    def _evict(self, ep: EndpointId) -> None:
+        limit = self.capacity.get(ep, self.default_capacity)
+        mine = self.order.get(ep, [])
+        while limit is not None and len(mine) > limit:
+            mine.pop(0)
+
+
+def lazily(chain: list[int], asked: list[int]) -> Iterator[int]:
+    for i, h in enumerate(chain):
+        asked.append(i)
+        yield h
+
+
+@pytest.mark.parametrize("refresh", [False, True], ids=["fifo", "lru"])
+@pytest.mark.parametrize("seed", range(4))
+def test_every_operation_agrees_with_dicts_of_sets(refresh: bool, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(block_table, "_LOG_SLACK", 4)  # compact the age logs often
+    rng = random.Random(seed)
+    table, model = BlockTable(refresh=refresh), Model(refresh)
+    endpoints = [EndpointId(f"10.0.0.{i}:8000") for i in range(6)]
+    universe = [rng.getrandbits(64) for _ in range(1500)] + [0, 2**64 - 1]  # 1,500 blocks: the slots grow twice
+    for step in range(2500):
+        ep, roll = rng.choice(endpoints), rng.random()
+        hashes = [rng.choice(universe) for _ in range(rng.randrange(1, 40))]
+        if roll < 0.5:
+            table.add(ep, hashes)
+            model.add(ep, hashes)
+        elif roll < 0.75:
+            table.remove(ep, hashes)
+            model.remove(ep, hashes)
+        elif roll < 0.8:
+            table.clear(ep)
+            model.order[ep] = []
+        elif roll < 0.85:
+            n = rng.randrange(1, 300)
+            table.set_capacity(ep, n)
+            model.set_capacity(ep, n)
+        else:
+            held = model.order.get(rng.choice(endpoints), [])
+            chain = held[: rng.randrange(len(held) + 1)] + [rng.choice(universe) for _ in range(3)]
+            want = longest_prefixes(model.holders(), chain)
+            asked: list[int] = []
+            assert table.match(chain) == table.match(lazily(chain, asked)) == want
+            assert max(asked, default=0) <= max(want.values(), default=0)  # never read past the first unheld block
+        assert [table.blocks_of(e) for e in endpoints] == [len(model.order.get(e, [])) for e in endpoints]
+        if step % 250 == 0:
+            assert {e: table.oldest_first(e) for e in endpoints} == {e: model.order.get(e, []) for e in endpoints}
+            assert dict(table.holders) == model.holders() and len(table) == len(model.holders())
+    assert table.entries() == sum(len(v) for v in model.order.values())
+
+
+def test_a_pod_storing_a_block_again_keeps_its_age_in_the_precise_index() -> None:
+    table = BlockTable(refresh=False)
+    table.add(A, [1, 2, 3])
+    table.add(A, [4])
+    table.add(A, [1])  # stored again: still the oldest
+    table.set_capacity(A, 2)
+    assert table.oldest_first(A) == [3, 4]
+
+
+def test_a_block_used_again_becomes_the_youngest_in_the_approximate_index() -> None:
+    table = BlockTable(refresh=True)
+    table.add(A, [1, 2, 3])
+    table.add(A, [1])
+    table.set_capacity(A, 2)
+    assert table.oldest_first(A) == [3, 1]
+
+
+def test_an_endpoint_never_holds_more_than_its_capacity() -> None:
+    table = BlockTable(refresh=False, default_capacity=4)
+    table.add(A, range(1, 11))  # one batch larger than the cap keeps its newest blocks
+    assert table.oldest_first(A) == [7, 8, 9, 10]
+    table.set_capacity(B, 2)  # set before B stored anything
+    table.add(B, [7, 8, 20])
+    assert table.oldest_first(B) == [8, 20]
+    assert table.holders_of(7) == {A} and table.holders_of(8) == {A, B}
+    table.set_capacity(A, 1)
+    assert table.oldest_first(A) == [10] and len(table) == 3  # 10, 8, 20
+
+
+def test_a_bad_hash_is_refused_before_anything_changes() -> None:
+    table = BlockTable(refresh=False)
+    table.add(A, [1, 2])
+    for bad in (-1, 2**64, 1.0, "7", True, None):
+        with pytest.raises(ValueError, match="not an unsigned 64-bit int"):
+            table.add(A, [3, bad])
+        with pytest.raises(ValueError):
+            table.remove(A, [1, bad])
+    assert table.oldest_first(A) == [1, 2]
+
+
+def test_zero_and_the_largest_hash_are_ordinary_blocks() -> None:
+    table = BlockTable(refresh=False)
+    table.add(A, [0, 2**64 - 1])
+    assert table.match([0, 2**64 - 1, 5]) == {A: 2}
+    table.remove(A, [0])
+    assert table.match([0]) == {} and dict(table.holders) == {2**64 - 1: {A}}
+
+
+def test_pods_that_come_and_go_do_not_grow_the_table() -> None:
+    table = BlockTable(refresh=False)
+    for i in range(300):
+        pod = EndpointId(f"pod-{i}:8000")
+        table.add(pod, [i, i + 1])
+        table.clear(pod)
+    table.add(A, [5])
+    assert table.entries() == 1 and table.nbytes() < 200_000
+
+
+def test_hashes_a_pod_chooses_to_collide_do_not_pile_into_one_probe_run() -> None:
+    table = BlockTable(refresh=False)
+    table.add(A, [i << 40 for i in range(20_000)])  # equal in their low 40 bits
+    assert table.longest_probe() < 64
+    assert table.match([i << 40 for i in range(10)]) == {A: 10}
