@@ -79,6 +79,8 @@ class Gateway:
             "/health": ("GET", self.health),
             "/metrics": ("GET", self.prometheus),
         }
+        self.mounts: dict[str, Route] = {}
+        """Path prefixes served by a sub-application that checks methods itself (the Batch API)."""
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self._attempts = config.max_attempts
@@ -103,10 +105,11 @@ class Gateway:
         try:
             route = self.routes.get(request.path)
             if route is None:
-                raise RouteError(404, f"no route for {request.path}")
-            if request.method != route[0]:
-                raise RouteError(405, f"{request.path} takes {route[0]}, not {request.method}")
-            await route[1](request, out, ex)
+                await self._mounted(request.path)(request, out, ex)
+            else:
+                if request.method != route[0]:
+                    raise RouteError(405, f"{request.path} takes {route[0]}, not {request.method}")
+                await route[1](request, out, ex)
         except KvflowError as exc:
             self._fail(out, ex, exc)
         except asyncio.CancelledError:
@@ -120,6 +123,12 @@ class Gateway:
             ex.status = out.status
         if ex.path not in _QUIET_PATHS:
             self._record(ex)
+
+    def _mounted(self, path: str) -> Route:
+        for prefix, route in self.mounts.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                return route
+        raise RouteError(404, f"no route for {path}")
 
     def _fail(self, out: Responder, ex: Exchange, exc: KvflowError) -> None:
         ex.status, ex.error = exc.status, ex.error or type(exc).__name__

@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float)
     p.add_argument("--no-access-log", action="store_true", help="do not write JSON access logs")
     p.add_argument("--workers", type=int, help="gateway processes sharing the port (default 1)")
+    p.add_argument("--batch-dir", help="the Batch API's database and files (default .kvflow/batches)")
+    p.add_argument("--no-batch", action="store_true", help="serve no Batch API (/v1/files, /v1/batches)")
     p.add_argument("--sidecar", action="store_true", help="run as a decode pod's P/D sidecar behind Envoy")
     p.add_argument("--upstream", metavar="HOST:PORT", help="sidecar: the local vLLM server")
     p.add_argument("--allow-prefiller", action="append", default=[], metavar="ADDR|CIDR|DNS",
@@ -66,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     _nested(data, "timeouts", connect=args.connect_timeout, first_byte=args.first_byte_timeout,
             idle=args.idle_timeout)
     _nested(data, "auth", keys_file=args.api_keys_file, secret=args.api_keys_secret)
+    _nested(data, "batch", dir=args.batch_dir, enabled=False if args.no_batch else None)
     if args.allow_prefiller:
         _nested(data, "sidecar", prefillers=[*data.get("sidecar", {}).get("prefillers", []), *args.allow_prefiller])
     if args.endpoint or args.prefill_endpoint or args.model:

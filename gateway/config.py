@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvflow.endpoints import Endpoint, Role, parse_host_port
+from kvflow.gateway.batch.config import BatchConfig
 from kvflow.routing_headers import check_allowable
 
 
@@ -161,6 +162,8 @@ class GatewayConfig(_Strict):
     timeouts: TimeoutConfig = TimeoutConfig()
     flow: FlowConfig = FlowConfig()
     auth: AuthConfig = AuthConfig()
+    batch: BatchConfig = BatchConfig()
+    """The Batch API (/v1/files, /v1/batches): where its database lives, how lines use idle capacity."""
     access_log: bool = True
     http: HttpConfig = HttpConfig()
     client_kv_transfer_params: Literal["reject", "strip"] = "reject"

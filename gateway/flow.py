@@ -15,7 +15,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
@@ -247,3 +247,97 @@ class Gate:
 
 def _shed(why: str) -> RateLimitError:
     return RateLimitError(f"too many requests: {why}; retry later", retry_after=1.0)
+
+
+# --- the batch band: capacity that interactive traffic leaves ------------------------------
+#
+# Batch lines (the Batch API) do not queue in ``Gate``: they are sent only while ``batch_room``
+# says the pool has room for them, which it decides from what the gateway and the router
+# already know: the gate's interactive in-flight and waiting counts, and per pod the router's
+# health view and the engine's scraped queue and KV-cache use (docs/batch.md).
+
+
+@dataclass(frozen=True, slots=True)
+class PodLoad:
+    """One pod as the batch band sees it: its last scrape, the router's live in-flight count, and
+    the batch cap learnt from its scrapes (``next_cap``)."""
+
+    waiting: int
+    """Requests queued in the engine (scraped ``vllm:num_requests_waiting``)."""
+    kv_usage: float
+    """Fraction of the engine's KV cache in use (scraped)."""
+    in_flight: int = 0
+    """Requests this gateway has sent there and not yet seen finish (live)."""
+    cap: int = 0
+    """How many requests the pod is given while no interactive request is around."""
+    healthy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class BandLimits:
+    per_pod: int = 128
+    """Most requests in flight per pod while no interactive request is around."""
+    first_cap: int = 32
+    """A pod's cap before its scrapes have said how much it runs."""
+    idle_waiting: int = 4
+    """While no interactive request is around, the queue a pod is given on top of what its engine
+    runs: a line is ready whenever a sequence finishes."""
+    busy_per_pod: int = 2
+    """Batch lines in flight per pod while interactive requests are around."""
+    max_waiting: int = 0
+    """While interactive traffic is around, a pod with more requests queued in its engine is full."""
+    max_kv_usage: float = 0.85
+    """A pod whose KV cache is fuller than this is full (new lines would cause preemptions)."""
+    quiet_s: float = 1.0
+    """Interactive traffic counts as around for this long after it was last seen."""
+
+
+def next_cap(cap: int, running: int, waiting: int, limits: BandLimits) -> int:
+    """A pod's cap after a new scrape of its engine (pure).
+
+    An engine that queues more than ``idle_waiting`` is full: its cap becomes what it runs plus
+    that short queue. One that runs at least half its cap and queues nothing can take more: the
+    cap doubles (slow start), up to ``per_pod``. Scrapes come every few hundred milliseconds, so
+    the cap follows the engine's capacity while the live in-flight count does the fine control.
+    """
+    if waiting > limits.idle_waiting:
+        return max(1, min(limits.per_pod, running + limits.idle_waiting))
+    if waiting == 0 and running * 2 >= cap:
+        return min(limits.per_pod, cap * 2)
+    return cap
+
+
+def batch_room(pods: Sequence[PodLoad], batch_inflight: int, limits: BandLimits, *, interactive: bool,
+               interactive_waiting: int) -> int:
+    """How many more batch lines may start now on a pool (pure).
+
+    ``batch_inflight``: the pool's batch lines already sent; ``interactive``: interactive traffic
+    is around; ``interactive_waiting``: interactive requests queued in the gateway's gate.
+    No interactive traffic: each pod is filled to its cap (what its engine runs plus a short
+    queue), so continuous batching stays full without a long queue that an interactive request
+    arriving next would wait behind. Interactive traffic around: the pool keeps ``busy_per_pod``
+    lines per pod whose engine queues nothing. A pod that is unhealthy or whose KV cache is
+    nearly full gets nothing.
+    """
+    if interactive_waiting:  # interactive requests queue in the gateway: nothing is left over
+        return 0
+    usable = [p for p in pods if p.healthy and p.kv_usage <= limits.max_kv_usage]
+    if interactive:
+        open_pods = sum(1 for p in usable if p.waiting <= limits.max_waiting)
+        return max(0, limits.busy_per_pod * open_pods - batch_inflight)
+    return sum(max(0, p.cap - p.in_flight) for p in usable)
+
+
+class InteractiveWatch:
+    """Whether interactive traffic is around: seen in flight within the last ``quiet_s`` seconds."""
+
+    __slots__ = ("quiet_s", "_last")
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self._last = float("-inf")
+
+    def around(self, inflight: int, now: float) -> bool:
+        if inflight > 0:
+            self._last = now
+        return now - self._last < self.quiet_s

@@ -10,6 +10,7 @@ import logging
 import resource
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvflow.errors import (
     HeadersTooLargeError, InvalidRequestError, KvflowError, NoCapacityError, PayloadTooLargeError, RequestTimeoutError,
@@ -21,6 +22,9 @@ from kvflow.gateway.config import AuthConfig, GatewayConfig
 from kvflow.gateway.httpserver import Handler, HttpServer, Limits, Responder, serve_http
 from kvflow.gateway.pools import PoolRouter
 from kvflow.gateway.proxy import send_error
+
+if TYPE_CHECKING:
+    from kvflow.gateway.batch.service import BatchService
 
 log = logging.getLogger("kvflow.gateway")
 
@@ -89,9 +93,12 @@ class RunningGateway:
     routers: dict[str, PoolRouter]
     server: HttpServer
     port: int
+    batch: BatchService | None = None
 
     async def close(self) -> None:
         self.server.close()
+        if self.batch is not None:
+            await self.batch.close()
         self.gateway.close()
         for router in self.routers.values():
             await router.stop()
@@ -101,13 +108,22 @@ class RunningGateway:
 async def start_gateway(config: GatewayConfig, routers: Mapping[str, PoolRouter] | None = None) -> RunningGateway:
     """Serve ``config`` (``port=0`` picks a free port); ``routers`` stand in for kvflow.router (tests)."""
     gateway, chosen = build_gateway(config, await load_auth(config.auth), routers)
+    batch = None
+    if config.batch.enabled:
+        from kvflow.gateway.batch.service import BatchService
+
+        batch = BatchService(gateway, config.batch)
     await gateway.upstream.start()
     for router in chosen.values():
         await router.start()
     server, port = await listen(gateway.handle, config.host, config.port, limits_of(config),
                                 reuse_port=config.workers > 1)
     gateway.http = server
-    return RunningGateway(gateway, chosen, server, port)
+    if batch is not None:
+        from kvflow.gateway.batch.service import replica_name
+
+        await batch.resume(replica_name(config.batch, config.host, port))
+    return RunningGateway(gateway, chosen, server, port, batch)
 
 
 def settle_heap() -> None:

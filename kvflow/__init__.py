@@ -7,6 +7,7 @@ the components are subpackages whose code sits in the repository's top-level fol
     kvflow.router    -> router/    the endpoint picker (scheduler, KV events, Envoy ext_proc)
     kvflow.gateway   -> gateway/   the OpenAI-compatible front door and P/D orchestrator
     kvflow.operator  -> operator/  the kopf operator, renderers for Kubernetes objects
+    kvflow.beam      -> beam/      Apache Beam RunInference handlers (the ``beam`` extra)
 
 Components depend on the core, never the reverse.
 """

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvflow.router.cli", "run the endpoint picker (Envoy ext_proc server)"),
     "gateway": ("kvflow.gateway.cli", "run the OpenAI-compatible gateway"),
     "operator": ("kvflow.operator.cli", "run the Kubernetes operator, or render its objects"),
+    "batch": ("kvflow.batchcli", "submit a JSONL file to the gateway's Batch API, watch it, get results"),
     "tokenizer": ("kvflow.tokenizer_fetch", "fetch a hub model's tokenizer files (routers' init container)"),
     "bench": ("kvflow.benchcli", "run a benchmark from bench/"),
 }

@@ -3,7 +3,8 @@
     KvflowError                    500 InternalServerError
      ├── InvalidRequestError       400 BadRequestError       malformed JSON, bad or missing fields
      ├── AuthenticationError       401 AuthenticationError   missing or unknown API key
-     ├── ModelNotFoundError        404 NotFoundError         no pool serves the model
+     ├── NotFoundError             404 NotFoundError         no such file or batch (the Batch API)
+     │    └── ModelNotFoundError   404 NotFoundError         no pool serves the model
      ├── RequestTimeoutError       408 RequestTimeoutError   headers or body not received in time
      ├── PayloadTooLargeError      413 BadRequestError       body over the configured limit
      ├── UriTooLongError           414 BadRequestError       request line over the configured limit
@@ -51,10 +52,12 @@ class AuthenticationError(KvflowError):
     type = "AuthenticationError"
 
 
-class ModelNotFoundError(KvflowError):
+class NotFoundError(KvflowError):
     status = 404
     type = "NotFoundError"
 
+
+class ModelNotFoundError(NotFoundError):
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.", param="model")
 

