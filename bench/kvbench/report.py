@@ -23,6 +23,8 @@ REPLAY_STYLES: dict[str, dict[str, object]] = {
     REPLAY_RR: {"linestyle": "--", "color": "grey"},
     REPLAY_KVFLOW: {"linestyle": "--", "color": "tab:red"},
 }
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+"""Measured routers other than kvflow's headline (red, its replay dashed red)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +184,14 @@ def plot(rows: Sequence[Row], title: str, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     routers = list(dict.fromkeys(r.router for r in rows))
     for ax, attr, label in ((axes[0], "ttft_mean_ms", "TTFT mean (ms)"), (axes[1], "ttft_p90_ms", "TTFT p90 (ms)")):
+        palette = iter(PALETTE)
         for name in routers:
             pts = sorted((r.rate, getattr(r, attr)) for r in rows if r.router == name)
-            style = {"linestyle": "-", "linewidth": 2.5 if name == "kvflow default" else 1.5}
+            style: dict[str, object] = {"linestyle": "-", "linewidth": 1.5}
+            if name == "kvflow default":
+                style |= {"linewidth": 2.5, "color": "tab:red"}
+            elif name not in REPLAY_STYLES:
+                style["color"] = next(palette, None)
             style |= REPLAY_STYLES.get(name, {})
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, **style)
         ax.set_xlabel("request rate (req/s, Poisson)")

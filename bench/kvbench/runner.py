@@ -1,9 +1,9 @@
 """One workload of the routing benchmark, end to end: rates, oracle, pods, routers, runs, rows.
 
 For each workload: find where round-robin saturates on the replay (unless rates are given),
-replay every rate's trace offline (round-robin, the oracle, the bound), start the pods once,
-then start each router in turn and, per rate, drain and reset the pods' caches, send the trace
-open-loop and read the pods' counters before and after.
+replay every rate's trace offline (round-robin, the oracle, kvflow's router, the bound), start
+the pods once, then start each router in turn and, per rate, drain and reset the pods' caches,
+send the trace open-loop and read the pods' counters before and after.
 """
 
 from __future__ import annotations
