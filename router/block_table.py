@@ -59,6 +59,8 @@ _MAX_VLOAD = 0.7  # the translation's slots: read per event block, not per decis
 _MIN_SLOTS = 1 << 10
 _LOG_SLACK = 1024  # stale log places an endpoint may keep beyond half its entries
 _VECTOR_MIN = 64  # keys looked up with numpy from this many on
+_WINDOW = 8  # slots of each probe run read at once by ``find_many``
+_WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 
 
 def checked_hashes(hashes: Iterable[Any]) -> list[int]:
@@ -159,22 +161,18 @@ class _Slots:
         return True
 
     def find_many(self, hashes: np.ndarray) -> np.ndarray:
-        """``find`` for many keys at once: a few probe steps in numpy, the rare long probe runs
-        one by one."""
+        """``find`` for many keys at once: the first ``_WINDOW`` slots of every key's probe run
+        read and compared in one numpy pass (a key is never past an empty slot of its run), the
+        rare longer runs one by one."""
         slots, keys = np.frombuffer(self.slots, np.int32), np.frombuffer(self.keys, np.uint64)
-        records = np.full(len(hashes), _NONE, np.int32)
-        todo, want = np.arange(len(hashes)), hashes
-        at = self.homes(hashes)
-        for _ in range(4):
-            found = slots[at]
-            occupied = found >= 0
-            same = occupied & (keys[found] == want)  # found -1 reads the last key: masked out
-            records[todo[same]] = found[same]
-            on = occupied & ~same
-            if not on.any():
-                return records
-            todo, want, at = todo[on], want[on], (at[on] + 1) & self.mask
-        for j in todo.tolist():
+        window = (self.homes(hashes)[:, None] + _WINDOW_STEPS) & self.mask
+        found = slots[window]
+        hit = (found >= 0) & (keys[found] == hashes[:, None])  # found -1 reads the last key: masked out
+        rows, first = np.arange(len(hashes)), hit.argmax(axis=1)
+        got = hit[rows, first]
+        records = np.where(got, found[rows, first], _NONE).astype(np.int32)
+        longer = np.flatnonzero(~got & (found >= 0).all(axis=1))
+        for j in longer.tolist():  # a full window without the key: its run goes on
             records[j] = self.find(int(hashes[j]))
         return records
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Iterator, Sequence
+from operator import mul
 from typing import Any
 
 import msgspec
@@ -46,6 +47,8 @@ from kvflow.blockbytes import as_int64
 from kvflow.errors import InvalidRequestError
 
 MASK = (1 << 64) - 1
+_SMALL_EVENT = 8
+"""Events of at most this many blocks are fingerprinted in plain Python."""
 BlockKey = tuple[Any, ...] | None
 """The keys one block is fingerprinted with beyond its tokens: ``(lora_name, extra_keys)`` as
 a ``BlockStored`` event gives them, or None for a block with neither."""
@@ -102,6 +105,7 @@ class Fingerprinter:
         self._secret = secret if secret is not None else secrets.token_bytes(32)
         rng = np.random.default_rng(int.from_bytes(hashlib.blake2b(self._secret, person=b"kvflow-fp").digest(), "big"))
         self._token_mix = rng.integers(0, 1 << 63, block_size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        self._token_mix_list: list[int] = self._token_mix.tolist()
         self._k = int(rng.integers(0, 1 << 63, dtype=np.uint64)) * 2 + 1
         self.root = int(rng.integers(0, 1 << 63, dtype=np.uint64)) << 1 | 1
         """The parent of block 0: what a ``BlockStored`` without a parent chains on."""
@@ -144,6 +148,31 @@ class Fingerprinter:
         acc = np.cumsum(mixes * self._inverse_powers[:n], dtype=np.uint64)
         acc += np.uint64((parent * self._k) & MASK)
         return acc * self._powers[:n]  # type: ignore[no-any-return]
+
+    def stored(self, parent: int, token_ids: Sequence[int], keys: Sequence[BlockKey] | None) -> list[int]:
+        """The fingerprints of an event's blocks (``token_ids``: theirs, block after block),
+        chained on ``parent``'s. Most events report a block or two (a decoding request filled
+        one): those are computed in plain Python, which numpy's fixed costs would outweigh."""
+        n = len(token_ids) // self.block_size
+        if n > _SMALL_EVENT:
+            values = as_int64(token_ids)
+            if values is None:
+                raise ValueError("token ids must be int64")
+            return self.chain(parent, self.block_mixes(values, keys)).tolist()  # type: ignore[no-any-return]
+        size, token_mix, k = self.block_size, self._token_mix_list, self._k
+        out, fp = [], parent
+        for i in range(n):
+            x = sum(map(mul, token_ids[i * size : (i + 1) * size], token_mix))
+            if keys is not None:
+                x += self.key_mix(keys[i])
+            x &= MASK
+            x ^= x >> 30
+            x = (x * 0xBF58476D1CE4E5B9) & MASK
+            x ^= x >> 27
+            x = (x * 0x94D049BB133111EB) & MASK
+            fp = (fp * k + (x ^ (x >> 31))) & MASK
+            out.append(fp)
+        return out
 
     def fingerprints(
         self, values: np.ndarray, first: BlockKey = None, later: BlockKey = None, parent: int | None = None

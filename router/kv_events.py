@@ -215,10 +215,7 @@ def stored_fingerprints(index: PrefixIndex, event: BlockStored) -> list[int] | N
     parent = fingerprinter.root if event.parent is None else index.fingerprint_of(event.parent)
     if parent is None:
         return None
-    values = as_int64(event.token_ids)
-    assert values is not None  # decode_event checked them
-    keys = event_keys(event.lora_name, event.extra_keys, n)
-    return fingerprinter.chain(parent, fingerprinter.block_mixes(values, keys)).tolist()  # type: ignore[no-any-return]
+    return fingerprinter.stored(parent, event.token_ids, event_keys(event.lora_name, event.extra_keys, n))
 
 
 def apply(

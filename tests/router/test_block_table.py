@@ -214,3 +214,18 @@ def test_another_hash_for_a_block_is_an_alias_and_a_taken_hash_stays_with_its_bl
     assert [table.translated(h) for h in (101, 102, 201)] == [None, None, None]
     table.add(C, [3], [101])  # free now: block 3 (stored without its hash before) takes it
     assert table.translated(101) == 3
+
+
+def test_looking_up_many_keys_at_once_agrees_with_one_at_a_time() -> None:
+    """The walk's numpy lookup reads a window of each probe run; long runs go one by one."""
+    import numpy as np
+
+    rng = random.Random(5)
+    table = BlockTable(refresh=False)
+    keys = [rng.getrandbits(64) for _ in range(1500)]
+    table.add(A, keys)  # 1,500 keys in 4,096 slots: some probe runs are longer than the window
+    table.add(B, [i << 40 for i in range(300)])  # and keys equal in their low bits
+    asked = keys + [i << 40 for i in range(300)] + [rng.getrandbits(64) for _ in range(500)]
+    index = table._index
+    assert index.find_many(np.array(asked, np.uint64)).tolist() == [index.find(h) for h in asked]
+    assert index.longest_probe() > block_table._WINDOW  # the one-by-one path was taken too

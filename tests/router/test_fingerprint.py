@@ -41,6 +41,20 @@ def test_blocks_chained_on_a_parent_get_the_prompts_fingerprints(start: int) -> 
     assert f.chain(whole[start - 1], f.block_mixes(values)).tolist() == whole[start:]
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 8, 9, 40])
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "lora-and-salt"])
+def test_an_events_blocks_get_the_prompts_fingerprints_short_or_long(blocks: int, keyed: bool) -> None:
+    """Short events are fingerprinted in plain Python, long ones with numpy: the same keys."""
+    f = Fingerprinter(BLOCK)
+    rng = random.Random(blocks)
+    tokens = [rng.randrange(-5, 1 << 40) for _ in range(BLOCK * (blocks + 1))]  # odd ids take the same path
+    first, later = request_keys("sql", "t") if keyed else (None, None)
+    whole = f.fingerprints(np.array(tokens, np.int64), first, later).tolist()
+    keys = [later] * blocks if keyed else None
+    assert f.stored(whole[0], tokens[BLOCK:], keys) == whole[1:]
+    assert f.stored(f.root, tokens[:BLOCK], [first] if keyed else None) == whole[:1]
+
+
 def test_every_fingerprint_depends_on_every_block_before_it() -> None:
     f = Fingerprinter(BLOCK)
     tokens = list(range(BLOCK * 8))
