@@ -63,7 +63,10 @@ class Filter(Protocol):
 class Scorer(Protocol):
     name: str
 
-    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]: ...
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
+        """A score in [0, 1] per endpoint (clamped; a missing endpoint scores 0). An empty mapping
+        abstains: a scorer with nothing to tell apart (no LoRA, no session) costs nothing then."""
+        ...
 
 
 class Picker(Protocol):
@@ -121,26 +124,21 @@ class Profile:
             if not candidates:
                 raise NoCapacityError(f"no endpoint can serve model {cycle.request.model!r} (filter {f.name})")
         ids = [ep.id for ep in candidates]
-        totals: dict[EndpointId, float] = dict.fromkeys(ids, 0.0)
-        by_scorer: dict[str, dict[EndpointId, float]] = {}
+        totals = [0.0] * len(ids)
+        by_scorer: dict[str, Mapping[EndpointId, float]] = {}
         for scorer, weight in self.scorers:
             got = scorer.score(cycle, candidates)
-            if (
-                got
-                and len(got) == len(totals)
-                and got.keys() == totals.keys()
-                and 0.0 <= min(got.values())
-                and max(got.values()) <= 1.0
-            ):
-                clamped = dict(got)  # the common case: a well-behaved scorer, nothing to clamp
-            else:
-                clamped = {eid: _clamp(got.get(eid, 0.0)) for eid in totals}
-            by_scorer[scorer.name] = clamped
-            # Each total is summed in scorer order, as it always was: the same floats.
-            totals = {eid: t + weight * clamped[eid] for eid, t in totals.items()}
+            if not got:  # the scorer abstains: it would score every endpoint alike
+                continue
+            by_scorer[scorer.name] = got
+            get = got.get
+            # Each total is summed in scorer order: the same floats whatever the endpoint count.
+            for i, eid in enumerate(ids):
+                s = get(eid, 0.0)  # a missing endpoint scores 0, and scores are clamped to [0, 1]
+                totals[i] += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
         scores = _PerEndpoint(by_scorer, ids)
-        ordered = self.picker.pick(cycle, [(ep, totals[ep.id]) for ep in candidates])
-        return ProfileRun(self.name, tuple(ordered), totals, scores, filtered)
+        ordered = self.picker.pick(cycle, list(zip(candidates, totals)))
+        return ProfileRun(self.name, tuple(ordered), dict(zip(ids, totals)), scores, filtered)
 
 
 def _clamp(s: float) -> float:
@@ -152,14 +150,14 @@ class _PerEndpoint(Mapping[EndpointId, Mapping[str, float]]):
 
     __slots__ = ("_by_scorer", "_ids")
 
-    def __init__(self, by_scorer: dict[str, dict[EndpointId, float]], ids: list[EndpointId]) -> None:
+    def __init__(self, by_scorer: dict[str, Mapping[EndpointId, float]], ids: list[EndpointId]) -> None:
         self._by_scorer = by_scorer
         self._ids = ids
 
     def __getitem__(self, eid: EndpointId) -> Mapping[str, float]:
         if eid not in self._ids:  # a linear scan, but only debug output reads this
             raise KeyError(eid)
-        return {name: per[eid] for name, per in self._by_scorer.items()}
+        return {name: _clamp(per.get(eid, 0.0)) for name, per in self._by_scorer.items()}
 
     def __iter__(self) -> Iterator[EndpointId]:
         return iter(self._ids)

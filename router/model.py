@@ -107,6 +107,13 @@ class LoadCounter:
     seconds_per_token: float = 0.0
     """Observed seconds per token of prefill work (EWMA over first tokens); 0: not yet seen."""
     default_rate: float = DEFAULT_PREFILL_RATE
+    foreign_waiting: int = 0
+    """Waiting requests that are not this router's (other replicas'), as of the last scrape."""
+    foreign_running: int = 0
+    """Running requests that are not this router's, as of the last scrape."""
+    kv_base: float = 0.0
+    """``kv_usage`` is ``kv_base + tokens * kv_per_token``: the scraped usage, moved by the KV sent since."""
+    kv_per_token: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -141,12 +148,28 @@ class LoadCounter:
         """Mean prefill work of the requests sent here (0 before the first)."""
         return self.sent_work / self.sent_requests if self.sent_requests else 0.0
 
-    def scraped(self) -> None:
-        """The metrics now include everything sent so far."""
+    @property
+    def kv_usage(self) -> float:
+        usage = self.kv_base + self.tokens * self.kv_per_token
+        return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else usage
+
+    def scraped(self, metrics: EngineMetrics) -> None:
+        """The metrics now include everything sent so far: tell this router's load from others'."""
         self.dispatched = 0
         self.in_flight_at_scrape = self.in_flight
         self.prefilling_at_scrape = self.prefilling
         self.tokens_at_scrape = self.tokens
+        self.observe(metrics)
+
+    def observe(self, metrics: EngineMetrics) -> None:
+        """What the scraped ``metrics`` say beyond this router's own requests, and its KV baseline."""
+        self.foreign_waiting = max(0, metrics.waiting - self.prefilling_at_scrape)
+        self.foreign_running = max(
+            0, metrics.running + metrics.waiting - self.in_flight_at_scrape - self.foreign_waiting
+        )
+        capacity = (metrics.num_blocks or 0) * (metrics.block_size or 0)
+        self.kv_per_token = 1.0 / capacity if capacity > 0 else 0.0
+        self.kv_base = metrics.kv_usage - self.tokens_at_scrape * self.kv_per_token
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -179,7 +202,12 @@ class EndpointView:
         setattr_(self, "endpoint", endpoint)
         setattr_(self, "metrics", metrics if metrics is not None else _NO_METRICS)
         setattr_(self, "healthy", healthy)
-        setattr_(self, "counter", counter if counter is not None else LoadCounter(in_flight, dispatched_since_scrape))
+        if counter is None:  # a stand-alone view (tests): its metrics are all it knows
+            # requests sent since the scrape have no first token yet: they queue
+            counter = LoadCounter(max(in_flight, dispatched_since_scrape), prefilling=dispatched_since_scrape,
+                                  dispatched=dispatched_since_scrape)
+            counter.observe(metrics if metrics is not None else _NO_METRICS)
+        setattr_(self, "counter", counter)
         setattr_(self, "id", endpoint.id)
 
     @property
@@ -195,38 +223,33 @@ class EndpointView:
     @property
     def foreign_waiting(self) -> int:
         """Waiting requests that are not this router's (other replicas', or sent around it)."""
-        return max(0, self.metrics.waiting - self.counter.prefilling_at_scrape)
+        return self.counter.foreign_waiting
 
     @property
     def foreign_running(self) -> int:
-        c = self.counter
-        return max(0, self.metrics.running + self.metrics.waiting - c.in_flight_at_scrape - self.foreign_waiting)
+        return self.counter.foreign_running
 
     @property
     def queue(self) -> int:
         """Requests not yet past their prefill: this router's, live, plus other routers' as last scraped."""
-        return self.counter.prefilling + self.foreign_waiting
+        return self.counter.prefilling + self.counter.foreign_waiting
 
     @property
     def load(self) -> int:
         """Requests on the pod: this router's, live, plus other routers' as last scraped."""
-        return self.counter.in_flight + self.foreign_waiting + self.foreign_running
+        c = self.counter
+        return c.in_flight + c.foreign_waiting + c.foreign_running
 
     @property
     def decoding(self) -> int:
         """Requests past their first token (each adds to every step's time)."""
         c = self.counter
-        return c.in_flight - c.prefilling + self.foreign_running
+        return c.in_flight - c.prefilling + c.foreign_running
 
     @property
     def kv_usage(self) -> float:
-        """KV-cache use as scraped, moved by the tokens this router sent or finished since."""
-        m, c = self.metrics, self.counter
-        capacity = (m.num_blocks or 0) * (m.block_size or 0)
-        if capacity <= 0 or c.tokens == c.tokens_at_scrape:
-            return m.kv_usage
-        usage = m.kv_usage + (c.tokens - c.tokens_at_scrape) / capacity
-        return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else usage
+        """KV-cache use as scraped, moved by the KV this router sent or finished since."""
+        return self.counter.kv_usage
 
 
 _NO_METRICS = EngineMetrics()

@@ -10,9 +10,11 @@ no CPU contention. A ``Policy`` picks each request's pod at its arrival:
   says how far the live run is from the model (HTTP, streaming, a loaded 2-core machine).
 * ``Clairvoyant`` — the oracle: it sees every pod's true prefix cache (the exact blocks), its
   queue and running batch, and the prefixes that queued requests will have cached by the time
-  this one runs, and sends each request to the pod with the smallest estimated TTFT. It is a
-  greedy, perfectly informed router, not a proven optimum: it does not plan for requests yet to
-  come, so a router could beat it (a ratio below 1 in the table says so).
+  this one runs, and sends each request to the pod with the smallest estimated TTFT plus, with
+  a capacity weight, the prefill compute the choice takes from that pod (what it costs later
+  requests). ``oracle_replay`` keeps the best of a few weights for each trace. It is a greedy,
+  perfectly informed router, not a proven optimum: it does not plan for requests yet to come,
+  so a router could beat it (a ratio below 1 in the table says so).
 
 ``lower_bound`` is a provable bound instead: no router, on this simulator, can give request
 ``i`` a TTFT below the time its pod needs just to compute the prompt tokens no earlier request
@@ -114,10 +116,18 @@ class Clairvoyant:
 
     name = "oracle"
 
+    def __init__(self, capacity_weight: float = 0.0) -> None:
+        self.capacity_weight = capacity_weight
+        """Also charge the compute the request takes from the pod (its uncached prefill), times
+        this: what it costs the requests after it, which a pure TTFT-greedy choice ignores."""
+
     def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int:
         best, best_t = 0, math.inf
         for pod in pods:
             t = self.estimate(prepared, pod, now, profile)
+            if self.capacity_weight:
+                own = len(prepared.token_ids) - self.cached_tokens(prepared, pod)
+                t += self.capacity_weight * own * profile.prefill_per_token_s
             if t < best_t - 1e-9:
                 best, best_t = pod.index, t
         return best
@@ -252,29 +262,70 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
                         hits / queries if queries else 0.0)
 
 
+ORACLE_WEIGHTS = (0.0, 1.0, 2.0, 4.0)
+
+
+def oracle_replay(trace: Trace, *, pods: int, profile: Profile, num_blocks: int,
+                  prepared: Sequence[Prepared] | None = None,
+                  weights: Sequence[float] = ORACLE_WEIGHTS) -> tuple[ReplayResult, float]:
+    """The oracle: the clairvoyant router with the capacity weight that gives this trace the
+    lowest mean TTFT (and that weight). Pure TTFT-greedy (weight 0) starves later requests under
+    load; charging the compute a choice takes fixes that, by how much depends on the load."""
+    prepared = list(prepared) if prepared is not None else prepare(trace)
+    best: tuple[ReplayResult, float] | None = None
+    for weight in weights:
+        result = replay(trace, Clairvoyant(weight), pods=pods, profile=profile, num_blocks=num_blocks,
+                        prepared=prepared)
+        if best is None or _mean(result.ttft) < _mean(best[0].ttft):
+            best = (result, weight)
+    assert best is not None
+    return best
+
+
+def _mean(values: Sequence[float]) -> float:
+    done = [v for v in values if not math.isnan(v)]
+    return sum(done) / len(done) if done else math.inf
+
+
 def lower_bound(trace: Trace, profile: Profile, prepared: Sequence[Prepared] | None = None) -> tuple[float, ...]:
-    """Per request: its TTFT can be no lower than this on the simulator, whatever the router."""
+    """Per request: its TTFT can be no lower than this on the simulator, whatever the router.
+
+    A prompt block can be a hit only if some request that may be sent before this one holds
+    it. An open-loop request is sent at its ``at``, so only requests that can be sent by then
+    count (a follow-up turn is sent no earlier than its chain's think times add up to). A
+    follow-up turn may be sent arbitrarily late, so every request counts for it except itself
+    and its own later turns.
+    """
     prepared = list(prepared) if prepared is not None else prepare(trace)
     bs, budget = HASH.block_size, profile.max_num_batched_tokens
-    order = sorted(range(len(prepared)), key=lambda i: _earliest_send(trace, prepared, i))
-    seen: set[BlockHash] = set()
-    bounds = [0.0] * len(prepared)
-    for i in order:
-        p = prepared[i]
+    earliest = [_earliest_send(prepared, i) for i in range(len(prepared))]
+    later_turns = _later_turns(trace)
+    first_two: dict[BlockHash, list[tuple[float, int]]] = {}  # the two earliest holders of a block
+    holders: dict[BlockHash, int] = {}
+    for i, p in enumerate(prepared):
+        answer_ids = _tokenizer().encode(p.request.answer, add_special_tokens=False) if p.request.answer else []
+        for h in set(BlockHasher(HASH, None, None).update([*p.token_ids, *answer_ids])):
+            holders[h] = holders.get(h, 0) + 1
+            first_two[h] = sorted([*first_two.get(h, []), (earliest[i], i)])[:2]
+
+    def held_before(i: int, h: BlockHash) -> bool:
+        if prepared[i].request.after is not None:  # all but itself and its later turns (which hold h)
+            return holders.get(h, 0) > 1 + later_turns[i]
+        return any(j != i and t <= earliest[i] for t, j in first_two.get(h, []))
+
+    bounds = []
+    for i, p in enumerate(prepared):
         max_blocks = (len(p.token_ids) - 1) // bs
         hit = 0
-        while hit < max_blocks and p.hashes[hit] in seen:
+        while hit < max_blocks and held_before(i, p.hashes[hit]):
             hit += 1
         uncached = len(p.token_ids) - hit * bs
         steps = max(1, math.ceil(uncached / budget))
-        bounds[i] = steps * profile.step_base_s + uncached * profile.prefill_per_token_s
-        seen.update(p.hashes)
-        answer_ids = _tokenizer().encode(p.request.answer, add_special_tokens=False) if p.request.answer else []
-        seen.update(BlockHasher(HASH, None, None).update([*p.token_ids, *answer_ids]))
+        bounds.append(steps * profile.step_base_s + uncached * profile.prefill_per_token_s)
     return tuple(bounds)
 
 
-def _earliest_send(trace: Trace, prepared: Sequence[Prepared], i: int) -> float:
+def _earliest_send(prepared: Sequence[Prepared], i: int) -> float:
     """A follow-up turn is sent no earlier than the sum of the think times before it."""
     t, r = 0.0, prepared[i].request
     while True:
@@ -284,25 +335,38 @@ def _earliest_send(trace: Trace, prepared: Sequence[Prepared], i: int) -> float:
         r = prepared[r.after].request
 
 
-def saturation_rate(workload_trace: Callable[[float], Trace], *, pods: int, profile: Profile, num_blocks: int,
-                    start: float = 1.0, knee: float = 3.0, limit: float = 200.0) -> float:
-    """The request rate where round-robin saturates on the replay: the first rate (a geometric
-    ladder, then bisection) whose mean TTFT exceeds ``knee`` times the mean at a light load."""
+def _later_turns(trace: Trace) -> list[int]:
+    """Per request, how many turns of its session follow it (each carries its whole prompt)."""
+    children = trace.children()
+    counts = []
+    for r in trace.requests:
+        n, i = 0, r.index
+        while i in children:
+            i, n = children[i], n + 1
+        counts.append(n)
+    return counts
 
-    def mean_ttft(rate: float) -> float:
-        result = replay(workload_trace(rate), RoundRobin(), pods=pods, profile=profile, num_blocks=num_blocks)
+
+def saturation_rate(make_trace: Callable[[float, float], Trace], duration: float, *, pods: int, profile: Profile,
+                    num_blocks: int, knee: float = 3.0, limit: float = 200.0) -> float:
+    """The request rate where round-robin saturates on the replay: the first rate (doubling from
+    2 req/s, then bisection) whose mean TTFT exceeds ``knee`` times the mean at 1 req/s.
+    ``make_trace(rate, duration)`` builds the workload's trace."""
+
+    def mean_ttft(rate: float, seconds: float) -> float:
+        result = replay(make_trace(rate, seconds), RoundRobin(), pods=pods, profile=profile, num_blocks=num_blocks)
         done = [t for t in result.ttft if not math.isnan(t)]
         return sum(done) / len(done) if done else math.inf
 
-    base = mean_ttft(start / 4)
-    lo, hi = start / 4, start
-    while mean_ttft(hi) <= knee * base:
+    base = mean_ttft(1.0, max(duration, 60.0))  # enough requests to average over, cold misses included
+    lo, hi = 1.0, 2.0
+    while mean_ttft(hi, duration) <= knee * base:
         lo, hi = hi, hi * 2
         if hi > limit:
             return limit
     for _ in range(4):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mean_ttft(mid) <= knee * base else (lo, mid)
+        lo, hi = (mid, hi) if mean_ttft(mid, duration) <= knee * base else (lo, mid)
     return hi
 
 

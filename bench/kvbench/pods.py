@@ -45,6 +45,8 @@ class Counters:
     prefix_queries: float
     requests: float
     """``vllm:request_success`` over every finish reason."""
+    external_hits: float = 0.0
+    """Prompt tokens a P/D decode pod got over KV transfer (``vllm:external_prefix_cache_hits``)."""
 
 
 def start_pods(group: ProcessGroup, *, decode: int, prefill: int = 0, num_blocks: int, profile: str = "h100-llama8b",
@@ -74,10 +76,11 @@ def router_config(pods: Sequence[Pod]) -> dict[str, object]:
 def parse_counters(text: str) -> Counters:
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:request_success"):
+        if family.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:request_success",
+                           "vllm:external_prefix_cache_hits"):
             sums[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
     return Counters(sums.get("vllm:prefix_cache_hits", 0.0), sums.get("vllm:prefix_cache_queries", 0.0),
-                    sums.get("vllm:request_success", 0.0))
+                    sums.get("vllm:request_success", 0.0), sums.get("vllm:external_prefix_cache_hits", 0.0))
 
 
 async def counters(session: aiohttp.ClientSession, pods: Sequence[Pod]) -> list[Counters]:
@@ -105,9 +108,10 @@ async def wait_idle(session: aiohttp.ClientSession, pods: Sequence[Pod], timeout
     return False
 
 
-async def reset(session: aiohttp.ClientSession, pods: Sequence[Pod], attempts: int = 50) -> None:
+async def reset(session: aiohttp.ClientSession, pods: Sequence[Pod], attempts: int = 200) -> None:
     """``POST /reset_prefix_cache`` on every pod; vLLM refuses while blocks are in use (a P/D
-    prefill pod keeps an exported request's blocks until the decode side pulls them)."""
+    prefill pod keeps an exported request's blocks until the decode side pulls them, or for
+    the 30 s lease when it never does)."""
     for pod in pods:
         for _ in range(attempts):
             async with session.post(f"{pod.url}/reset_prefix_cache") as resp:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.procs import free_port, kvflow_argv
+from kvflow.router.config import BUILTIN_PROFILES
 
 from kvbench.pods import MODEL, Pod, router_config
 
@@ -52,6 +53,9 @@ class RouterSpec:
     def parse(cls, name: str) -> RouterSpec:
         kind, _, policy = name.partition(":")
         if kind == "kvflow":
+            profiles = [p.name for p in BUILTIN_PROFILES]
+            if policy and policy not in profiles:
+                raise ValueError(f"kvflow profiles: {', '.join(profiles)} (got {policy!r})")
             return cls(kind, policy or None)
         if kind not in POLICIES:
             raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE], sglang:POLICY or vllm-router:POLICY")

@@ -23,7 +23,8 @@ from kvflow.procs import ProcessGroup, StartupError, free_port
 from kvflow.sim.profiles import get_profile
 
 from kvbench import loadgen, oracle, pods as podlib, report, routers
-from kvbench.workloads import DESCRIPTIONS, Trace, Workload
+from kvbench.replay_kvflow import KvflowReplay
+from kvbench.workloads import Trace, Workload, describe
 
 SIM_PROFILE = "h100-llama8b"
 
@@ -34,7 +35,7 @@ class Options:
     factors: tuple[float, ...] = (0.5, 0.75, 1.0, 1.25)
     """Rates as multiples of the replay's round-robin saturation rate."""
     rates: tuple[float, ...] = ()
-    """Explicit rates instead (the saturation rate is then the largest below or at 1.0 x)."""
+    """Explicit rates instead (no saturation search; the targets are read at the highest)."""
     seed: int = 0
     settle: float = 1.0
     """Seconds a freshly started router gets before traffic (first scrapes, KV-event subscriptions)."""
@@ -57,13 +58,16 @@ def log(opts: Options, msg: str) -> None:
 
 
 def plan_rates(workload: Workload, opts: Options) -> tuple[float, tuple[float, ...]]:
-    profile = get_profile(SIM_PROFILE)
-    pods = workload.decode_pods + workload.prefill_pods  # P/D: as many aggregated pods
-    sat = oracle.saturation_rate(lambda r: workload.trace(r, opts.duration, opts.seed), pods=pods, profile=profile,
-                                 num_blocks=workload.num_blocks)
-    sat = round(sat, 1)
+    """(round-robin's saturation rate on the replay, the rates to run); explicit rates skip the
+    search (NaN)."""
     if opts.rates:
-        return sat, tuple(sorted(opts.rates))
+        return math.nan, tuple(sorted(opts.rates))
+    profile = get_profile(SIM_PROFILE)
+    # P/D: prefill is the bottleneck, so round-robin over as many aggregated pods as prefill pods
+    pods = workload.prefill_pods or workload.decode_pods
+    sat = oracle.saturation_rate(lambda r, d: workload.trace(r, d, opts.seed), opts.duration, pods=pods,
+                                 profile=profile, num_blocks=workload.num_blocks)
+    sat = round(sat, 1)
     return sat, tuple(round(sat * f, 1) for f in opts.factors)
 
 
@@ -73,9 +77,14 @@ def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
     rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared))]
     if workload.pd:  # the replay models aggregated pods only
         return rows
-    for policy, name in ((oracle.RoundRobin(), report.REPLAY_RR), (oracle.Clairvoyant(), report.ORACLE)):
-        res = oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile,
-                            num_blocks=workload.num_blocks, prepared=prepared)
+    best, _ = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile,
+                                   num_blocks=workload.num_blocks, prepared=prepared)
+    results = [(report.ORACLE, best)]
+    for policy, name in ((oracle.RoundRobin(), report.REPLAY_RR),
+                         (KvflowReplay(workload.decode_pods, workload.num_blocks), report.REPLAY_KVFLOW)):
+        results.append((name, oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile,
+                                            num_blocks=workload.num_blocks, prepared=prepared)))
+    for name, res in results:
         rows.append(report.replay_row(workload.name, name, trace.rate, res.ttft, hit_rate=res.hit_rate,
                                       requests_per_pod=res.requests_per_pod))
     return rows
@@ -108,7 +117,8 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str, pid: i
         run = await loadgen.run(url, trace, model=podlib.MODEL)
         router_cpu = (proc_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
         load_avg = os.getloadavg()[0]
-        await podlib.wait_idle(session, fleet)
+        if not await podlib.wait_idle(session, fleet):
+            log(opts, f"  warning: pods still busy 60 s after {spec.name}'s run; its counters may miss requests")
         await asyncio.sleep(0.3)  # counters of the last finished requests
         after = await podlib.counters(session, fleet)
     decode = [i for i, p in enumerate(fleet) if p.role != "prefill"]
@@ -124,8 +134,8 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str, pid: i
 async def bench_workload(workload: Workload, router_names: Sequence[str], opts: Options) -> Outcome:
     saturation, rates = await asyncio.to_thread(plan_rates, workload, opts)
     outcome = Outcome(workload, saturation, rates)
-    log(opts, f"workload {workload.name} ({DESCRIPTIONS[workload.name]}): round-robin saturates near "
-              f"{saturation:g} req/s on the replay; rates {', '.join(map(str, rates))}")
+    found = f"round-robin saturates near {saturation:g} req/s on the replay" if saturation == saturation else "given"
+    log(opts, f"workload {workload.name} ({describe(workload)}): {found}; rates {', '.join(map(str, rates))}")
     traces = {rate: workload.trace(rate, opts.duration, opts.seed) for rate in rates}
     for trace in traces.values():
         outcome.rows += await asyncio.to_thread(replay_rows, workload, trace)
@@ -163,4 +173,6 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
 
 def saturation_row_rate(outcome: Outcome) -> float:
     """The measured rate closest to the saturation rate (the targets are read there)."""
-    return min(outcome.rates, key=lambda r: (abs(r - outcome.saturation), -r)) if outcome.rates else math.nan
+    if math.isnan(outcome.saturation):
+        return max(outcome.rates)
+    return min(outcome.rates, key=lambda r: (abs(r - outcome.saturation), -r))

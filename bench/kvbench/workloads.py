@@ -83,7 +83,7 @@ def shared_prefix(rate: float, duration: float, seed: int = 0, *, groups: int = 
     rng = random.Random(f"shared-prefix/{seed}")
     systems = [_words(rng, system_len) for _ in range(groups)]
     questions = [[_words(rng, question_len) for _ in range(per_group)] for _ in range(groups)]
-    arrivals = random.Random(f"shared-prefix/{seed}/{rate}")
+    arrivals = random.Random(f"shared-prefix/{seed}/{rate:g}")
     requests = []
     for i, at in enumerate(_poisson(arrivals, rate, duration)):
         g, q = arrivals.randrange(groups), arrivals.randrange(per_group)
@@ -98,7 +98,7 @@ def zipf_tenants(rate: float, duration: float, seed: int = 0, *, tenants: int = 
     rng = random.Random(f"zipf-tenants/{seed}")
     systems = [_words(rng, rng.randint(*system_len)) for _ in range(tenants)]
     weights = [1 / (k + 1) ** s for k in range(tenants)]
-    arrivals = random.Random(f"zipf-tenants/{seed}/{rate}")
+    arrivals = random.Random(f"zipf-tenants/{seed}/{rate:g}")
     requests = []
     for i, at in enumerate(_poisson(arrivals, rate, duration)):
         t = arrivals.choices(range(tenants), weights)[0]
@@ -112,7 +112,7 @@ def multi_turn(rate: float, duration: float, seed: int = 0, *, turns: int = 5, s
                think_s: float = 1.0) -> Trace:
     rng = random.Random(f"multi-turn/{seed}")
     prompts = [_words(rng, system_len) for _ in range(systems)]
-    arrivals = random.Random(f"multi-turn/{seed}/{rate}")
+    arrivals = random.Random(f"multi-turn/{seed}/{rate:g}")
     requests: list[TraceRequest] = []
     for s, start in enumerate(_poisson(arrivals, rate / turns, duration)):
         history = prompts[arrivals.randrange(systems)]
@@ -158,13 +158,15 @@ class Workload:
     prefill_pods: int = 0
     num_blocks: int = 2400
     """KV blocks per pod (16 tokens each): small enough that no pod holds every prefix."""
+    params: tuple[tuple[str, object], ...] = ()
+    """The shape's keyword arguments where they differ from its defaults (sizes, counts)."""
 
     @property
     def pd(self) -> bool:
         return self.prefill_pods > 0
 
     def trace(self, rate: float, duration: float, seed: int = 0) -> Trace:
-        return SHAPES[self.shape](rate, duration, seed)
+        return SHAPES[self.shape](rate, duration, seed, **dict(self.params))
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -176,6 +178,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload("d", "shared-prefix", decode_pods=2, prefill_pods=2),
     )
 }
+def describe(workload: Workload) -> str:
+    return DESCRIPTIONS.get(workload.name, f"{workload.shape} {dict(workload.params)}")
+
+
 DESCRIPTIONS = {
     "a": "llm-d shared prefix (16 groups x 5 prompts, 6000+1200 tokens)",
     "b": "skewed multi-tenant (48 Zipf tenants, 2000-7000 + 300-1000 tokens)",

@@ -18,4 +18,9 @@ class KvCacheScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
-        return {ep.id: 1.0 - ep.kv_usage for ep in endpoints}
+        out = {}
+        for ep in endpoints:  # ``EndpointView.kv_usage`` inlined: runs for every endpoint
+            c = ep.counter
+            free = 1.0 - c.kv_base - c.tokens * c.kv_per_token
+            out[ep.id] = 0.0 if free < 0.0 else 1.0 if free > 1.0 else free
+        return out

@@ -1,7 +1,7 @@
 """LoRA affinity: a pod already running the adapter is best, one with a free adapter slot next.
 
 Scores as the Inference Extension's lora-affinity scorer: active (running or waiting) 1.0,
-room to load it 0.8, otherwise 0. Requests without an adapter score every pod 1.
+room to load it 0.8, otherwise 0. For requests without an adapter it abstains (every pod alike).
 """
 
 from __future__ import annotations
@@ -33,5 +33,5 @@ class LoraAffinityScorer:
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
         lora = cycle.request.lora
         if not lora:
-            return {ep.id: 1.0 for ep in endpoints}
+            return {}  # every pod alike: the scorer abstains
         return {ep.id: lora_score(ep, lora) for ep in endpoints}

@@ -34,8 +34,13 @@ class SaturationFilter:
         return ep.queue > self.p.queue_limit or ep.kv_usage >= self.p.kv_limit
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        saturated = self.saturated
-        kept = [ep for ep in endpoints if not saturated(ep)]
+        # ``saturated`` inlined (queue and KV use from the live counter): runs for every endpoint
+        queue_limit, kv_limit = self.p.queue_limit, self.p.kv_limit
+        kept = []
+        for ep in endpoints:
+            c = ep.counter
+            if c.prefilling + c.foreign_waiting <= queue_limit and c.kv_base + c.tokens * c.kv_per_token < kv_limit:
+                kept.append(ep)
         if endpoints and not kept:
             raise RateLimitError("every endpoint is saturated; retry later", retry_after=self.p.retry_after)
         return kept

@@ -35,6 +35,8 @@ class SessionAffinityScorer:
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
         session = cycle.request.headers.get(self.header)
         home = self.sessions.get(session) if session else None
+        if home is None:
+            return {}  # no session, or a new one: every pod alike, the scorer abstains
         return {ep.id: 1.0 if ep.id == home else 0.0 for ep in endpoints}
 
     def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:

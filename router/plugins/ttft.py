@@ -66,38 +66,58 @@ class TtftScorer:
         self.step_tokens = ctx.step_tokens
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> dict[EndpointId, float]:
-        """Each pod's estimated time to first token for this request (seconds, or tokens of work)."""
+        """Each pod's estimated time to first token for this request (seconds, or tokens of work).
+
+        The arithmetic is inlined, in one pass for the work and one to turn it into seconds: this
+        runs for every endpoint of every decision, and a thousand pods must cost well under a
+        millisecond. Other routers' waiting requests (rare: several router replicas) are added
+        for the pods that have them once the mean work per request is known."""
         prompt = cycle.prompt_tokens
         matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
-        mean_work = _mean_work(endpoints, prompt)
-        speeds = [ep.counter.seconds_per_token for ep in endpoints if ep.counter.seconds_per_token > 0]
-        default_speed = statistics.median(speeds) if speeds else 0.0
-        bs, step, per_decode, batch = cycle.block_size, self.step_tokens, self.decode_tokens, self.batch_tokens
-        now, copy_weight = cycle.now, self.copy_weight
-        best_cached = max((matches.get(ep.id, 0) for ep in endpoints), default=0) * bs
-        out: dict[EndpointId, float] = {}
+        held = matches.get
+        bs, now = cycle.block_size, cycle.now
+        best_cached = 0
+        if matches:
+            candidates = {ep.id for ep in endpoints}
+            best_cached = max((n for eid, n in matches.items() if eid in candidates), default=0) * bs
+        step, per_decode, batch, copy_weight = self.step_tokens, self.decode_tokens, self.batch_tokens, self.copy_weight
+        ids: list[EndpointId] = []
+        works: list[float] = []
+        speeds: list[float] = []
+        """Observed seconds per token, or minus the configured one for a pod not observed yet."""
+        foreign: list[tuple[int, float, float, int, int]] = []
         for ep in endpoints:
-            counter = ep.counter
-            cached = matches.get(ep.id, 0) * bs
-            uncached = max(1, prompt - cached)
-            foreign = ep.foreign_waiting
-            work = counter.queued(now) + (foreign * mean_work if foreign else 0.0) + uncached
-            work += copy_weight * (best_cached - cached)
-            steps = 1 + work // batch
-            work += steps * (step + ep.decoding * per_decode)
-            out[ep.id] = work * (counter.seconds_per_token or default_speed or 1.0 / counter.rate)
-        return out
+            c = ep.counter
+            spt = c.seconds_per_token
+            queued = c.backlog - (now - c.backlog_at) * (1.0 / spt if spt > 0.0 else c.default_rate)
+            known = c.sent_work - c.done_work
+            if known < queued:
+                queued = known
+            cached = held(ep.id, 0) * bs
+            uncached = prompt - cached
+            work = (queued if queued > 0.0 else 0.0) + (uncached if uncached > 1 else 1)
+            copy = copy_weight * (best_cached - cached)
+            decoding = c.in_flight - c.prefilling + c.foreign_running
+            if c.foreign_waiting:
+                foreign.append((len(works), work, copy, decoding, c.foreign_waiting))
+            ids.append(ep.id)
+            works.append(work + copy + (1 + work // batch) * (step + decoding * per_decode))
+            speeds.append(spt if spt > 0.0 else -1.0 / c.default_rate)
+        if foreign:
+            sent = sum(ep.counter.sent_requests for ep in endpoints)
+            mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
+            for i, work, copy, decoding, waiting in foreign:
+                work += waiting * mean_work
+                works[i] = work + copy + (1 + work // batch) * (step + decoding * per_decode)
+        observed = [s for s in speeds if s > 0.0]
+        if len(observed) == len(speeds):
+            return dict(zip(ids, [w * s for w, s in zip(works, speeds)]))
+        # a pod not observed yet is as fast as the pool's median, else the configured rate
+        median = statistics.median(observed) if observed else 0.0
+        return {eid: w * (s if s > 0.0 else median or -s) for eid, w, s in zip(ids, works, speeds)}
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
         estimates = self.estimates(cycle, endpoints)
         cycle.data["ttft"] = estimates
         best = min(estimates.values(), default=0.0)
         return {eid: best / est if est > 0 else 1.0 for eid, est in estimates.items()}
-
-
-def _mean_work(endpoints: Sequence[EndpointView], fallback: int) -> float:
-    """Mean prefill work of the requests this router sent to these pods (``fallback`` before any)."""
-    requests = sum(ep.counter.sent_requests for ep in endpoints)
-    if not requests:
-        return float(fallback)
-    return sum(ep.counter.sent_work for ep in endpoints) / requests

@@ -118,9 +118,9 @@ def test_saturation_sheds_when_all_are_over() -> None:
             {"lora": "ad"},
             {"2": 1.0, "3": 0.8, "4": 0.0},
         ),
-        ("lora-affinity-scorer", [view(2)], {}, {"2": 1.0}),
+        ("lora-affinity-scorer", [view(2), view(3)], {}, {}),  # no adapter: every pod alike, it abstains
     ],
-    ids=["queue", "running", "active", "kv-cache", "lora", "no-lora"],
+    ids=["queue", "running", "active", "kv-cache", "lora", "no-lora-abstains"],
 )
 def test_scorers(type_name, views, kw, expected) -> None:  # type: ignore[no-untyped-def]
     got = plugin(type_name).score(cycle(**kw), views)
@@ -147,7 +147,7 @@ def test_session_affinity_remembers_the_pick() -> None:
 
     scorer = plugin("session-affinity-scorer", header="X-Session")
     c = cycle(headers={"x-session": "s1"})
-    assert set(scorer.score(c, [view(2), view(3)]).values()) == {0.0}
+    assert scorer.score(c, [view(2), view(3)]) == {}  # a new session: every pod alike, it abstains
     scorer.request_started(c.request, SchedulingResult("p", (view(3).endpoint,), None, 0))
     assert list(scorer.score(c, [view(2), view(3)]).values()) == [0.0, 1.0]
 
@@ -185,3 +185,22 @@ def test_precise_scorer_keeps_an_evicted_prefix_at_home() -> None:
     )[1]
     assert list(scorer.score(c, [view(2), view(3), view(4)]).values()) == [0.5, 0.25, 0.0]
     assert c.data["prefix:precise"] == {view(3).id: 1}  # what P/D and cached_tokens believe stays exact
+
+
+def test_a_profile_clamps_scores_counts_missing_endpoints_as_zero_and_skips_abstainers() -> None:
+    from kvflow.router.framework import Profile
+
+    class Fixed:
+        def __init__(self, name: str, scores: dict[str, float]) -> None:
+            self.name, self.scores = name, scores
+
+        def score(self, cycle, endpoints):  # type: ignore[no-untyped-def]
+            return {ep.id: self.scores[ep.id.split(":")[0].rsplit(".", 1)[1]] for ep in endpoints
+                    if ep.id.split(":")[0].rsplit(".", 1)[1] in self.scores}
+
+    wild = Fixed("wild", {"2": 7.0, "3": -3.0})  # out of range, and nothing for pod 4
+    silent = Fixed("silent", {})  # abstains
+    profile = Profile("p", (), ((wild, 2.0), (silent, 5.0)), plugin("max-score-picker", maxTargets=3))
+    run = profile.run(cycle(), [view(2), view(3), view(4)])
+    assert {k.split(":")[0].rsplit(".", 1)[1]: v for k, v in run.totals.items()} == {"2": 2.0, "3": 0.0, "4": 0.0}
+    assert dict(run.scores[view(2).id]) == {"wild": 1.0} and ids(run.targets)[0] == "2"

@@ -47,6 +47,7 @@ def run(
         counter.in_flight += (decoding or {}).get(i, 0)
         counter.seconds_per_token = (speed or {}).get(i, 0.0)
         metrics = EngineMetrics(waiting=(waiting or {}).get(i, 0))
+        counter.observe(metrics)  # as a scrape taken before this router sent anything would
         views.append(EndpointView(ep, metrics, counter=counter))
     request = SchedulingRequest("r", "m", PROMPT)
     cycle = Cycle(request, precise.fingerprinter.prompt(PROMPT), random.Random(0), 16, now=0.0)

@@ -1,0 +1,70 @@
+"""The routing benchmark's harness measures what it says, on a tiny workload.
+
+Two simulated pods, kvflow's gateway (default profile, then round-robin) and sglang-router's
+``cache_aware`` where it is installed, a few seconds of open-loop shared-prefix traffic. Every
+request must be answered in full, the hit rates and the per-pod counts must come from the pods'
+own counters, and no router may beat the provable bound. ``bench/bench_routing.py`` runs the
+real sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from kvbench import oracle, report, routers
+from kvbench.runner import Options, bench_workload
+from kvbench.workloads import Workload, multi_turn, sim_answer
+
+from kvflow.sim.profiles import get_profile
+
+TINY = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
+                params=(("groups", 4), ("per_group", 3), ("system_len", 600), ("question_len", 100), ("output_len", 8)))
+
+
+async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path: Path) -> None:
+    names = ["kvflow", "kvflow:round-robin"] + (["sglang:cache_aware"] if routers.binary("sglang") else [])
+    outcome = await bench_workload(TINY, names, Options(duration=2.0, rates=(6.0,), settle=0.5, log_dir=tmp_path, verbose=False))
+
+    assert outcome.skipped == []
+    measured = {r.router: r for r in outcome.rows if r.measured}
+    assert set(measured) == {routers.RouterSpec.parse(n).name for n in names}
+    bound = next(r for r in outcome.rows if r.router == report.BOUND)
+    for row in measured.values():
+        assert row.errors == 0, row
+        assert row.requests == bound.requests > 0
+        assert sum(row.requests_per_pod) == row.requests, row  # the pods' own request counters
+        assert 0 < row.hit_rate <= 1, row  # the pods' prefix-cache counters moved
+        assert row.answer_mismatches == 0, row
+        assert bound.ttft_mean_ms <= row.ttft_mean_ms and bound.ttft_p90_ms <= row.ttft_p90_ms, (bound, row)
+        assert row.itl_ms > 0 and row.tokens_per_s > 0
+    # the same groups come back, so a prefix-aware router must hit more than round-robin
+    assert measured["kvflow default"].hit_rate > measured["kvflow round-robin"].hit_rate
+    assert "kvflow default" in report.table(outcome.rows)
+    png = tmp_path / "smoke.png"
+    report.plot(outcome.rows, "smoke", png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_replay_oracle_never_beats_the_bound_and_round_robin_spreads_evenly() -> None:
+    profile = get_profile("h100-llama8b")
+    trace = TINY.trace(20.0, 4.0)
+    prepared = oracle.prepare(trace)
+    bounds = oracle.lower_bound(trace, profile, prepared)
+    rr = oracle.replay(trace, oracle.RoundRobin(), pods=2, profile=profile, num_blocks=300, prepared=prepared)
+    greedy = oracle.replay(trace, oracle.Clairvoyant(), pods=2, profile=profile, num_blocks=300, prepared=prepared)
+    best, _ = oracle.oracle_replay(trace, pods=2, profile=profile, num_blocks=300, prepared=prepared)
+    for result in (rr, greedy, best):
+        assert not any(math.isnan(t) for t in result.ttft)
+        assert all(t >= b - 1e-9 for t, b in zip(result.ttft, bounds, strict=True))
+    assert abs(rr.requests_per_pod[0] - rr.requests_per_pod[1]) <= 1
+    assert best.hit_rate >= rr.hit_rate
+    assert sum(best.ttft) <= min(sum(rr.ttft), sum(greedy.ttft))
+
+
+def test_a_multi_turn_history_carries_the_answers_the_simulator_will_give() -> None:
+    trace = multi_turn(2.0, 3.0, turns=3, systems=1, system_len=20, user_len=(5, 5), output_len=4)
+    first, second = trace.requests[0], trace.requests[1]
+    assert second.after == first.index
+    assert first.answer == sim_answer(first.seed, 4) and len(first.answer.split()) == 4
+    assert second.prompt.startswith(first.prompt + first.answer + " ")
