@@ -489,19 +489,29 @@ class BlockTable:
         vindex, vkey, alias = self._vindex, self._vkey, self._alias
         if vindex.count + len(records) > _MAX_VLOAD * len(vindex.slots):
             vindex.resize(_table_size(vindex.count + len(records), _MAX_VLOAD), vindex.live())
+        vslots, mul, shift, mask = vindex.slots, vindex.mul, vindex.shift, vindex.mask
         for r, h in zip(records, hashes):
             new = r < 0
             if new:
                 r = ~r
-                vkey[r] = h  # even if the hash is taken: a reused record keeps no stale one
-            if vindex.find(h) >= 0 or h in alias:  # known: for this block, or another (the first writer keeps it)
+            elif vkey[r] == h:  # stored again, or by another pod: named already (or the name is taken)
                 continue
-            if not new and vkey[r] != h and vindex.find(vkey[r]) == r:  # another hash of a named block
+            s = (h * mul >> shift) & mask  # one probe: finds the hash, or the free slot to put it in
+            x = vslots[s]
+            while x >= 0 and vkey[x] != h:
+                s = (s + 1) & mask
+                x = vslots[s]
+            if x >= 0 or h in alias:  # the hash names another block: the first writer keeps it
+                if new:
+                    vkey[r] = h ^ 1  # not h: storing h again must try again (the name may be free)
+                continue
+            if not new and vindex.find(vkey[r]) == r:  # another hash of a block already named
                 alias[h] = r
                 self._aliases_of.setdefault(r, []).append(h)
-            else:
-                vkey[r] = h
-                vindex.insert(r)
+                continue
+            vkey[r] = h
+            vslots[s] = r
+            vindex.count += 1
 
     def _delete_block(self, r: int) -> None:
         """Take record ``r`` out of the slots (and its vLLM hashes) and onto the free list."""

@@ -124,9 +124,10 @@ class Fingerprinter:
         found = self._key_mixes.get(raw)
         if found is None:
             found = int.from_bytes(hashlib.blake2b(raw, key=self._secret[:32], digest_size=8).digest(), "big")
-            if len(self._key_mixes) >= 4096:  # a few adapters and salts are live at a time
-                self._key_mixes.clear()
-            self._key_mixes[raw] = found
+            if len(raw) <= 256:  # a pod's long keys are not kept: the memo stays under a megabyte
+                if len(self._key_mixes) >= 4096:  # a few adapters and salts are live at a time
+                    self._key_mixes.clear()
+                self._key_mixes[raw] = found
         return found
 
     # -- fingerprints ------------------------------------------------------------------------
@@ -248,5 +249,5 @@ class PromptFingerprints:
         digest that does not depend on this router's secret: two routers, or two processes,
         agree on it for the same request (the debug log, parity tests)."""
         n = self.num_blocks * self._fingerprinter.block_size
-        h = hashlib.sha256(_encode([list(self._tokens[:n]), self._first, self._later]))
-        return h.hexdigest()[:16]
+        text = ",".join(map(str, self._tokens[:n])) + f"|{self._first!r}|{self._later!r}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
