@@ -18,7 +18,9 @@ so other processes on a shared machine do not count.
 **KV-event ingestion**: ``BlockStored`` events of 1 to 512 blocks (each chained on the last
 block of the one before, as a pod's prefill chunks are), encoded as vLLM encodes them, through
 the router's decoder and ``apply`` (validation, fingerprinting, translation, index); then the
-same blocks' ``BlockRemoved``. CPU microseconds per block.
+same blocks' ``BlockRemoved``. CPU microseconds per block; beside it, the peer: the same
+events into an index keyed by vLLM's hashes as the events name them (no tokens read, nothing
+to translate: what the router paid before it fingerprinted blocks).
 
 **Per-request cost**: ``Router.schedule`` + ``request_started`` + ``request_finished`` per
 built-in profile, with 4 and 64 endpoints (scraped metrics set, ``--window`` requests in
@@ -56,8 +58,9 @@ from pathlib import Path
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.hashing import hash_fn, hash_request_tokens, none_hash, to_external
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
-from kvflow.router.kv_events import BlockStored, apply, decode_batch
-from kvflow.router.prefix_index import PrefixIndex
+from kvflow.router.block_table import BlockTable
+from kvflow.router.kv_events import BlockRemoved, BlockStored, KvEvent, apply, decode_batch
+from kvflow.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvflow.sim import events as wire
 
 PROFILES = ("round-robin", "least-load", "prefix-approx", "prefix-precise", "default")
@@ -100,9 +103,9 @@ def plain_hashes(tokens: list[int]) -> list[bytes]:
     return out
 
 
-def micros(samples: list[float]) -> str:
+def micros(samples: list[float], digits: int = 0) -> str:
     """Best and median: on a shared machine the best is the uncontended cost."""
-    return f"{min(samples) * 1e6:6.0f} / {statistics.median(samples) * 1e6:6.0f}"
+    return f"{min(samples) * 1e6:6.{digits}f} / {statistics.median(samples) * 1e6:6.{digits}f}"
 
 
 @dataclass
@@ -155,11 +158,29 @@ def decision(n_endpoints: int, blocks: int, n_tokens: int, repeat: int) -> Decis
 # -- KV-event ingestion ------------------------------------------------------------------------
 
 
-def ingest(blocks_per_event: int, total: int) -> tuple[list[float], list[float]]:
+class KeyedByHash:
+    """The peer: an index keyed by vLLM's hashes as events name them (what the router did before
+    it fingerprinted blocks itself): no tokens read, no translation."""
+
+    def __init__(self) -> None:
+        self.table = BlockTable(refresh=False, default_capacity=DEFAULT_CAPACITY)
+
+    def apply(self, endpoint: EndpointId, events: list[KvEvent]) -> int:
+        for event in events:
+            if isinstance(event, BlockStored):
+                self.table.add(endpoint, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.table.remove(endpoint, event.block_hashes)
+        return 0
+
+
+def ingest(blocks_per_event: int, total: int, peer: bool = False) -> tuple[list[float], list[float]]:
     """CPU seconds per block to store ``total`` blocks in events of ``blocks_per_event``
-    (through the wire format and the decoder), then to remove them; one sample per 64 events."""
+    (through the wire format and the decoder), then to remove them; one sample per 64 events.
+    ``peer``: into an index keyed by vLLM's hashes instead."""
     rng = random.Random(4)
     index = PrefixIndex(fingerprinter=Router(load_config({}), []).fingerprinter)
+    keyed = KeyedByHash()
     pod = EndpointId("10.0.0.1:8000")
     hashes = [rng.getrandbits(64) for _ in range(total)]
     tokens = [rng.randrange(32000) for _ in range(16 * total)]
@@ -178,19 +199,27 @@ def ingest(blocks_per_event: int, total: int) -> tuple[list[float], list[float]]
         for at in range(0, len(payloads), 64):
             chunk = payloads[at : at + 64]
             t = time.thread_time()
-            skipped = sum(apply(index, pod, decode_batch(payload)) for _, payload in chunk)
+            if peer:
+                skipped = sum(keyed.apply(pod, decode_batch(payload)) for _, payload in chunk)
+            else:
+                skipped = sum(apply(index, pod, decode_batch(payload)) for _, payload in chunk)
             out.append((time.thread_time() - t) / sum(n for n, _ in chunk))
             assert skipped == 0
-    assert len(index) == 0  # every block removed again, by its vLLM hash
+    assert len(index) == len(keyed.table) == 0  # every block removed again, by its vLLM hash
     return samples
 
 
 def ingest_table() -> None:
-    print("\nKV-event ingestion (decode, fingerprint, translate, index), CPU microseconds per block, best / median")
-    print(f"{'blocks/event':>12} {'BlockStored':>15} {'BlockRemoved':>15}")
+    print(
+        "\nKV-event ingestion (decode, fingerprint, translate, index), CPU microseconds per block, best / median;"
+        " peer: an index keyed by vLLM's hashes"
+    )
+    header = ("BlockStored", "BlockRemoved", "peer stored", "peer removed")
+    print(f"{'blocks/event':>12} " + " ".join(f"{h:>15}" for h in header))
     for per in (1, 4, 64, 512):
-        stored, removed = ingest(per, 32_768 if per > 1 else 8192)
-        print(f"{per:>12} {micros(stored):>15} {micros(removed):>15}", flush=True)
+        total = 32_768 if per > 1 else 8192
+        cells = [*ingest(per, total), *ingest(per, total, peer=True)]
+        print(f"{per:>12} " + " ".join(f"{micros(c, 1):>15}" for c in cells), flush=True)
 
 
 def per_request(profile: str, n_endpoints: int, *, requests: int, window: int, batches: int) -> list[float]:
