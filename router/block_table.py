@@ -1,4 +1,4 @@
-"""``BlockTable``: which endpoints hold which KV blocks, in flat arrays (about 50-60 bytes an entry).
+"""``BlockTable``: which endpoints hold which KV blocks, in flat arrays (45-61 bytes an entry).
 
 The prefix indexes keep one entry per (block, endpoint); as Python dicts of sets that cost
 about 350 bytes an entry, so a million blocks on many pods took most of a gigabyte. Here

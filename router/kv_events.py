@@ -368,7 +368,7 @@ class KvEventSubscriber:
             self._problem(endpoint_id, "bad_batch")
             return
         self.heard.add(endpoint_id)
-        for _ in range(apply(self.index, endpoint_id, events, self.speculative) or 0):
+        for _ in range(apply(self.index, endpoint_id, events, self.speculative)):
             self._problem(endpoint_id, "unchained")
         if self.on_event is not None:
             for event in events:

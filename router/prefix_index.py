@@ -5,7 +5,7 @@ Each answers one question: for a request's block keys (its prefix fingerprints,
 contiguous prefix, so the walk (``longest_prefixes``) goes down the chain intersecting holder
 sets and stops as soon as no endpoint is left: one pass, touching only cached blocks. The two
 that mirror the pods' caches keep their entries in a ``BlockTable`` (``block_table.py``: flat
-arrays, about 50-60 bytes per (block, endpoint) entry, an age order and a cap per endpoint).
+arrays, 45-61 bytes per (block, endpoint) entry, an age order and a cap per endpoint).
 
 * ``PrefixIndex`` is exact bookkeeping, fed by vLLM's KV events (``BlockStored``,
   ``BlockRemoved``, ``AllBlocksCleared``; ``kv_events.apply`` fingerprints the stored blocks

@@ -115,6 +115,19 @@ def test_blocks_whose_parent_was_never_heard_of_are_skipped_and_counted() -> Non
     assert len(index) == 0
 
 
+async def test_the_subscriber_counts_stored_blocks_it_could_not_key() -> None:
+    problems: list[tuple[str, str]] = []
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, on_problem=lambda eid, kind: problems.append((eid, kind)))
+    orphan = stored(prompt(2))
+    orphan.parent_block_hash = 12345  # its parent's BlockStored never arrived
+    try:
+        sub._handle(EndpointId("a:1"), 1, encode(orphan, stored(prompt(1))))
+    finally:
+        await sub.close()
+    assert problems == [("a:1", "unchained")] and matched(index, prompt(1)) == {"a:1": 1}
+
+
 def test_removing_hashes_the_router_does_not_know_changes_nothing() -> None:
     index = PrefixIndex()
     tokens = list(range(32))
@@ -394,11 +407,11 @@ async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monke
     calls = {"n": 0}
     real_apply = kv_events.apply
 
-    def flaky_apply(*args: object, **kw: object) -> None:
+    def flaky_apply(*args: object, **kw: object) -> int:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a bug in the router, not the pod")
-        real_apply(*args, **kw)  # type: ignore[arg-type]
+        return real_apply(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kv_events, "apply", flaky_apply)
     try:
