@@ -14,17 +14,18 @@ tagged keys in this order: ``("lora", name, path)`` on every block of a LoRA req
 publish each hash in its external form: by default the last 8 bytes as a big-endian unsigned
 int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), else the raw 32 bytes.
 
-``chain_hashes`` is the one implementation of the chain: the simulator, the router's hash
-memo (``router/hashcache.py``) and ``hash_request_tokens`` all walk it. Given the tokens as
-int64 too (the router's memo has them), a run of blocks without extra keys is not serialised
-with ``pickle.dumps``/``cbor2.dumps`` block by block: those bytes have a fixed shape
-(``kvflow.blockbytes``), so every block's bytes are written in one call for the run and only
-the SHA-256 chain stays a loop — byte for byte the same (tests/core/test_blockbytes.py compares
-them with the libraries'), and a little faster (docs/router.md has the figures).
+``chain_hashes`` is the one implementation of the chain: the simulator and
+``hash_request_tokens`` walk it. Given the tokens as int64 too, a run of blocks without extra
+keys is not serialised with ``pickle.dumps``/``cbor2.dumps`` block by block: those bytes have a
+fixed shape (``kvflow.blockbytes``), so every block's bytes are written in one call for the run
+and only the SHA-256 chain stays a loop — byte for byte the same (tests/core/test_blockbytes.py
+compares them with the libraries'), and a little faster.
 
-The simulator and the router share this module, so a hash the router computes for a prompt
-equals the hash a pod publishes in its KV events for the same tokens; tests/golden holds
-events captured from a real vLLM 0.32.0 that pin this (tests/test_realvllm_golden.py).
+The simulator publishes these hashes in its KV events, as vLLM does; tests/golden holds events
+captured from a real vLLM 0.32.0 that pin them (tests/test_realvllm_golden.py). The router does
+not key on them: it fingerprints blocks itself (``kvflow/router/fingerprint.py``), from the
+tokens and extra keys the events carry, and keeps vLLM's hashes only to read later events
+(``external_int`` turns a digest-form hash into the int form).
 """
 
 from __future__ import annotations
@@ -130,8 +131,7 @@ def chain_hashes(
     ``extra_keys`` key every block; ``first_extra_keys``, when given, key block 0 instead (the
     cache salt goes on block 0 only). A block is hashed when the iterator reaches it.
 
-    ``values`` is ``token_ids`` as int64, for a caller that has them anyway (the router's memo
-    fingerprints them): then the bytes of runs of blocks are laid out together
+    ``values`` is ``token_ids`` as int64, for a caller that has them anyway: then the bytes of runs of blocks are laid out together
     (``kvflow.blockbytes``) as the iterator reaches each run — the first block alone (a prefix
     walk that finds nothing cached stops there), then 63, then 8 times more each time. Without
     them every block is serialised the plain way: converting the tokens costs about what the
@@ -172,8 +172,8 @@ def block_extra_keys(
 ) -> tuple[Any, ...] | None:
     """The tagged extra keys vLLM hashes into one block (``generate_block_hash_extra_keys``).
 
-    ``lora`` is ``(lora_name, lora_path)``: vLLM keys on the adapter's path too, so the router
-    must know the path the pod loaded the adapter from. The cache salt keys block 0 only.
+    ``lora`` is ``(lora_name, lora_path)``: vLLM keys on the adapter's path too. The cache
+    salt keys block 0 only.
     """
     keys: list[tuple[str, ...]] = []
     if lora is not None:
@@ -225,8 +225,8 @@ def external_int(block_hash: bytes) -> int:
 
 
 unpack_external = struct.Struct(">24xQ").unpack
-"""``unpack_external(h)[0] == external_int(h)`` for a 32-byte ``h``, in one C call: the
-router converts every block it hashes, and a Python-level call costs twice the conversion."""
+"""``unpack_external(h)[0] == external_int(h)`` for a 32-byte ``h``, in one C call (a
+Python-level call costs twice the conversion)."""
 
 
 def to_external(block_hash: BlockHash, *, as_int: bool = True) -> ExternalBlockHash:

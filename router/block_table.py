@@ -1,16 +1,19 @@
-"""``BlockTable``: which endpoints hold which KV blocks, in flat arrays (about 50 bytes an entry).
+"""``BlockTable``: which endpoints hold which KV blocks, in flat arrays (45-61 bytes an entry).
 
 The prefix indexes keep one entry per (block, endpoint); as Python dicts of sets that cost
 about 350 bytes an entry, so a million blocks on many pods took most of a gigabyte. Here
 every field is a slot in an ``array.array`` of machine ints, read and written from Python by
 index (numpy rebuilds the slots, compacts logs and looks up many computed hashes at once):
 
-* **blocks**, one record per distinct block hash: ``key[r]`` its 64-bit external hash,
-  ``mix[r]`` its *holder mix* — the XOR of a random 64-bit key per holding endpoint, so equal
-  mixes mean equal holder sets (but for a 2**-64 chance) — and ``first[r]`` its first entry
+* **blocks**, one record per distinct block: ``key[r]`` its 64-bit key (the router's prefix
+  fingerprint, ``router/fingerprint.py``),
+  ``mix[r]`` its *holder mix* — the XOR of a random 32-bit key per holding endpoint, so equal
+  mixes mean equal holder sets (but for a 2**-32 chance where the holders change: a walk would
+  then count a pod a block further than it holds, a mis-score in billions of walks; 32 bits
+  rather than 64 keep an entry under 64 bytes) — and ``first[r]`` its first entry
   (a free record links the free list as -2 - next).
-* **slots**, hash -> record: open addressing, probed linearly from a multiply-shift of the
-  hash with a random odd multiplier (a pod cannot pick hashes that pile into one probe run),
+* **slots**, key -> record: open addressing, probed linearly from a multiply-shift of the
+  key with a random odd multiplier (keys a pod chooses cannot pile into one probe run),
   at most half full (recently stored blocks, the hot ones, sit at the end of probe runs),
   deleted from by backward shift (no tombstones).
 * **entries**, one per (block, endpoint): ``owner`` (a small int per endpoint), ``block`` (its
@@ -20,6 +23,16 @@ index (numpy rebuilds the slots, compacts logs and looks up many computed hashes
   (with ``refresh``, storing it again does too: LRU instead of FIFO). An entry is current at
   the place its stamp names, so a removal just leaves a stale place behind, skipped when met
   at the head and dropped when the log is compacted (stale places are at most half the log).
+* **translation** (``translate=True``, the precise index): vLLM's hash of each block, as its
+  pods' events name it: ``vkey[r]`` and a second slot table over it (``vslots``, up to 70 %
+  full: it is read only when events arrive). ``BlockRemoved`` events and a ``BlockStored``'s
+  parent carry only vLLM's hashes. A block's translation leaves with its record (when no
+  endpoint holds it). The first hash registered for a block is kept in ``vkey``; another hash
+  of the same block (pods with another hash seed or algorithm) goes to a small dict; a hash
+  already registered for another block keeps that block (the first writer wins).
+
+A cap on all entries (``max_entries``) holds the table whatever the endpoints report: an
+endpoint whose store would go past it evicts its own oldest first.
 
 Freed records and entries are reused; the arrays keep their high-water size.
 ``tests/router/test_block_table.py`` checks every operation against a dict-of-sets model.
@@ -31,7 +44,7 @@ import secrets
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -42,25 +55,18 @@ MAX_ENDPOINTS = 0xFFFF
 _NONE = -1
 _FREE = 0xFFFF  # the owner of a free entry
 _MAX_LOAD = 0.5
+_MAX_VLOAD = 0.7  # the translation's slots: read per event block, not per decision
 _MIN_SLOTS = 1 << 10
 _LOG_SLACK = 1024  # stale log places an endpoint may keep beyond half its entries
-_VECTOR_MIN = 64  # computed hashes looked up with numpy from this many on
-
-
-class LazyChain(Protocol):
-    """A hash chain computed on demand (``router.hashcache.RequestHashes``)."""
-
-    def known(self) -> list[int]:
-        """The hashes computed so far, a prefix of the chain, without computing more."""
-        ...
-
-    def iter_from(self, i: int) -> Iterator[int]:
-        """The chain from block ``i`` on, computed as it is read."""
-        ...
+_VECTOR_MIN = 64  # keys looked up with numpy from this many on
+_WINDOW = 8  # slots of each probe run read at once by ``find_many``
+_WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 
 
 def checked_hashes(hashes: Iterable[Any]) -> list[int]:
-    """The hashes as a list, or a ValueError naming the first that is not an unsigned 64-bit int."""
+    """The keys as a list, or a ValueError naming the first that is not an unsigned 64-bit int."""
+    if isinstance(hashes, np.ndarray) and hashes.dtype == np.uint64:
+        return hashes.tolist()  # type: ignore[no-any-return]
     out = hashes if type(hashes) is list else list(hashes)
     for h in out:
         if type(h) is not int or not 0 <= h <= UINT64_MAX:
@@ -68,37 +74,155 @@ def checked_hashes(hashes: Iterable[Any]) -> list[int]:
     return out
 
 
-def _table_size(blocks: int) -> int:
+def _table_size(blocks: int, load: float = _MAX_LOAD) -> int:
     """The smallest power-of-two slot table that holds ``blocks`` under the load limit."""
     size = _MIN_SLOTS
-    while blocks > _MAX_LOAD * size:
+    while blocks > load * size:
         size *= 2
     return size
+
+
+class _Slots:
+    """An open-addressing table of record numbers, probed linearly from a multiply-shift of a
+    64-bit key with a random odd multiplier; ``keys`` gives each record's key."""
+
+    __slots__ = ("slots", "keys", "mul", "shift", "mask", "count")
+
+    def __init__(self, keys: array[int], size: int) -> None:
+        self.keys = keys
+        self.mul = secrets.randbits(64) | 1
+        self.count = 0
+        self.resize(size, np.zeros(0, np.int64))
+
+    def resize(self, size: int, records: np.ndarray) -> None:
+        """A table of ``size`` slots (a power of two) holding ``records``."""
+        self.slots = array("i", bytes(4 * size))
+        self.shift, self.mask = 64 - (size.bit_length() - 1), size - 1
+        slots = np.frombuffer(self.slots, np.int32)
+        slots[:] = _NONE
+        self.count = len(records)
+        if not len(records):
+            return
+        home = self.homes(np.frombuffer(self.keys, np.uint64)[records])
+        # Probe runs are short at this load: place every record whose slot is free (the first
+        # claimant of each), move the others one slot on, repeat. No slot is emptied meanwhile,
+        # so no record lands beyond a free slot of its probe run.
+        while records.size:
+            claims = np.zeros(records.size, bool)
+            claims[np.unique(home, return_index=True)[1]] = True
+            placed = claims & (slots[home] == _NONE)
+            slots[home[placed]] = records[placed]
+            records, home = records[~placed], (home[~placed] + 1) & self.mask
+
+    def homes(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * np.uint64(self.mul)) >> np.uint64(self.shift)).astype(np.int64)  # numpy's product wraps
+
+    def live(self) -> np.ndarray:
+        slots = np.frombuffer(self.slots, np.int32)
+        return slots[slots >= 0].astype(np.int64)
+
+    def find(self, h: int) -> int:
+        """The record whose key is ``h``, or -1."""
+        slots, key, mask = self.slots, self.keys, self.mask
+        s = (h * self.mul >> self.shift) & mask
+        r = slots[s]
+        while r >= 0 and key[r] != h:
+            s = (s + 1) & mask
+            r = slots[s]
+        return r
+
+    def insert(self, r: int) -> None:
+        """Put record ``r`` (its key not in the table) in the first free slot of its probe run."""
+        slots, mask = self.slots, self.mask
+        s = (self.keys[r] * self.mul >> self.shift) & mask
+        while slots[s] >= 0:
+            s = (s + 1) & mask
+        slots[s] = r
+        self.count += 1
+
+    def delete(self, r: int) -> bool:
+        """Take record ``r`` out, if it is in. Backward shift: the later records of its probe
+        run move up into the hole, so no lookup stops early."""
+        slots, key, mul, shift, mask = self.slots, self.keys, self.mul, self.shift, self.mask
+        s = (key[r] * mul >> shift) & mask
+        while (at := slots[s]) != r:
+            if at < 0:
+                return False
+            s = (s + 1) & mask
+        hole, s = s, (s + 1) & mask
+        while (moved := slots[s]) >= 0:
+            home = (key[moved] * mul >> shift) & mask
+            if (s - home) & mask >= (s - hole) & mask:  # its home is not in (hole, s]: it may move
+                slots[hole] = moved
+                hole = s
+            s = (s + 1) & mask
+        slots[hole] = _NONE
+        self.count -= 1
+        return True
+
+    def find_many(self, hashes: np.ndarray) -> np.ndarray:
+        """``find`` for many keys at once: the first ``_WINDOW`` slots of every key's probe run
+        read and compared in one numpy pass (a key is never past an empty slot of its run), the
+        rare longer runs one by one."""
+        slots, keys = np.frombuffer(self.slots, np.int32), np.frombuffer(self.keys, np.uint64)
+        window = (self.homes(hashes)[:, None] + _WINDOW_STEPS) & self.mask
+        found = slots[window]
+        hit = (found >= 0) & (keys[found] == hashes[:, None])  # found -1 reads the last key: masked out
+        rows, first = np.arange(len(hashes)), hit.argmax(axis=1)
+        got = hit[rows, first]
+        records = np.where(got, found[rows, first], _NONE).astype(np.int32)
+        longer = np.flatnonzero(~got & (found >= 0).all(axis=1))
+        for j in longer.tolist():  # a full window without the key: its run goes on
+            records[j] = self.find(int(hashes[j]))
+        return records
+
+    def longest_probe(self) -> int:
+        slots = np.frombuffer(self.slots, np.int32)
+        at = np.flatnonzero(slots >= 0)
+        if not at.size:
+            return 0
+        home = self.homes(np.frombuffer(self.keys, np.uint64)[slots[at]])
+        return int(((at - home) & self.mask).max()) + 1
 
 
 class BlockTable:
     """(block, endpoint) entries, an age order per endpoint, and a cap on each endpoint's count."""
 
-    def __init__(self, *, refresh: bool, default_capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        refresh: bool,
+        default_capacity: int | None = None,
+        translate: bool = False,
+        max_entries: int | None = None,
+    ) -> None:
         self.refresh = refresh
         """Storing a block an endpoint holds makes it the youngest (else nothing changes)."""
         self.default_capacity = default_capacity
         """The cap for an endpoint whose capacity was never set (None: no cap)."""
+        self.max_entries = max_entries
+        """The cap on all entries together (None: none)."""
+        self.translate = translate
         self._capacity: dict[EndpointId, int] = {}
-        self._mul = secrets.randbits(64) | 1
         # blocks
         self._key = array("Q")
-        self._mix = array("Q")
+        self._mix = array("I")
         self._first = array("i")
         self._free_record = _NONE
         self._blocks = 0
-        self._rehash(_MIN_SLOTS)
+        self._index = _Slots(self._key, _MIN_SLOTS)
+        # vLLM's hashes of the blocks (translate only)
+        self._vkey = array("Q")
+        self._vindex = _Slots(self._vkey, _MIN_SLOTS if translate else 1)
+        self._alias: dict[int, int] = {}
+        self._aliases_of: dict[int, list[int]] = {}
         # entries
         self._owner = array("H")
         self._block = array("i")
         self._next = array("i")
         self._stamp = array("I")
         self._free_entry = _NONE
+        self._total = 0
         # endpoints, by small int
         self._ids: list[EndpointId | None] = []
         self._keys: list[int] = []
@@ -120,32 +244,30 @@ class BlockTable:
 
     def entries(self) -> int:
         """(block, endpoint) entries in all."""
-        return sum(self._counts)
+        return self._total
 
     def nbytes(self) -> int:
-        """Bytes the arrays hold, over-allocation included (not the few Python objects per endpoint)."""
-        arrays = (self._slots, self._key, self._mix, self._first, self._owner, self._block, self._next, self._stamp)
-        return sum(sys.getsizeof(a) for a in (*arrays, *self._logs))
+        """Bytes the arrays and the translation hold, over-allocation included (not the few
+        Python objects per endpoint)."""
+        arrays = (self._index.slots, self._key, self._mix, self._first, self._owner, self._block, self._next,
+                  self._stamp, self._vindex.slots, self._vkey)
+        aliases = sys.getsizeof(self._alias) + sys.getsizeof(self._aliases_of) + 100 * len(self._alias)
+        return sum(sys.getsizeof(a) for a in (*arrays, *self._logs)) + (aliases if self._alias else 0)
 
     def longest_probe(self) -> int:
-        """Slots the longest lookup reads (a health check: short whatever hashes pods send)."""
-        slots = np.frombuffer(self._slots, np.int32)
-        at = np.flatnonzero(slots >= 0)
-        if not at.size:
-            return 0
-        keys = np.frombuffer(self._key, np.uint64)[slots[at]]
-        home = ((keys * np.uint64(self._mul)) >> np.uint64(self._shift)).astype(np.int64)
-        return int(((at - home) & self._mask).max()) + 1
+        """Slots the longest lookup reads, by key or by vLLM hash (a health check: short
+        whatever keys pods send)."""
+        return max(self._index.longest_probe(), self._vindex.longest_probe())
 
     def capacity_of(self, endpoint: EndpointId) -> int | None:
         return self._capacity.get(endpoint, self.default_capacity)
 
     def holders_of(self, h: int) -> set[EndpointId]:
-        r = self._find(h)
+        r = self._index.find(h)
         return set() if r < 0 else {self._ids[p] for p in self._holders(r)}  # type: ignore[misc]
 
     def oldest_first(self, endpoint: EndpointId) -> list[int]:
-        """The endpoint's block hashes, oldest (the next to be evicted) first."""
+        """The endpoint's block keys, oldest (the next to be evicted) first."""
         p = self._by_id.get(endpoint)
         if p is None:
             return []
@@ -154,58 +276,60 @@ class BlockTable:
 
     @property
     def holders(self) -> Mapping[int, set[EndpointId]]:
-        """Block hash -> the endpoints holding it (a read-only view)."""
+        """Block key -> the endpoints holding it (a read-only view)."""
         return _HoldersView(self)
+
+    def translated(self, h: int) -> int | None:
+        """The key of the block vLLM hashes to ``h``, while an endpoint holds it (translate only)."""
+        r = self._vindex.find(h)
+        if r < 0:
+            r = self._alias.get(h, _NONE)
+        return None if r < 0 else self._key[r]
 
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         """Leading blocks of ``chain`` each endpoint holds (endpoints holding none are absent).
 
-        ``prefix_index.longest_prefixes``'s walk over this table. Hashes already computed — a
-        list, or what a ``LazyChain`` knows — are looked up all at once with numpy; the rest
-        one at a time as the chain yields them, and the chain is not advanced past the first
+        ``prefix_index.longest_prefixes``'s walk over this table. Keys already computed — an
+        array (a request's fingerprints), or a long list — are looked up all at once with
+        numpy; any other iterable one key at a time, and it is not advanced past the first
         block nobody holds. A block whose holder mix equals the previous block's has the same
         holders, so the common case (the same endpoints hold block after block) costs one
         probe and one compare a block.
         """
         matched: dict[int, int] = {}
-        lazy: LazyChain | None = chain if hasattr(chain, "iter_from") else None  # type: ignore[assignment]
-        known = chain if isinstance(chain, list) else lazy.known() if lazy is not None else []
-        if len(known) < _VECTOR_MIN:  # numpy's fixed cost exceeds the saving
-            known = []
-        alive, i, last_mix = self._walk_known(known, matched)
-        if (alive is None or alive) and (not known or (lazy is not None and i == len(known))):
-            rest = lazy.iter_from(i) if lazy is not None else iter(chain)
-            alive, i = self._walk_lazy(rest, i, alive, last_mix, matched)
-        for p in alive or ():
+        keys = getattr(chain, "array", chain)
+        if isinstance(keys, list) and len(keys) >= _VECTOR_MIN:
+            keys = np.array(checked_hashes(keys), np.uint64)
+        if isinstance(keys, np.ndarray) and len(keys) >= _VECTOR_MIN:
+            alive, i = self._walk_array(keys, matched)
+        else:
+            alive, i = self._walk_lazy(iter(keys.tolist() if isinstance(keys, np.ndarray) else keys), matched)
+        for p in alive:
             matched[p] = i
         ids = self._ids
         return {ids[p]: n for p, n in matched.items()}  # type: ignore[misc]
 
-    def _walk_known(self, known: list[int], matched: dict[int, int]) -> tuple[set[int] | None, int, int]:
-        """The walk over computed hashes: (endpoints still matching or None if none walked,
-        blocks walked, the last block's holder mix)."""
-        if not known:
-            return None, 0, 0
-        if self._find(known[0]) < 0:  # nobody holds the first block: no need to look further
-            return set(), 0, 0
-        records = self._find_many(np.array(known, dtype=np.uint64))
+    def _walk_array(self, keys: np.ndarray, matched: dict[int, int]) -> tuple[set[int], int]:
+        """The walk over computed keys: (endpoints still matching, blocks walked)."""
+        if self._index.find(int(keys[0])) < 0:  # nobody holds the first block: no need to look further
+            return set(), 0
+        records = self._index.find_many(keys)
         missing = np.flatnonzero(records < 0)
-        stop = int(missing[0]) if missing.size else len(known)
-        if stop == 0:
-            return set(), 0, 0
-        mixes = np.frombuffer(self._mix, np.uint64)[records[:stop]]
+        stop = int(missing[0]) if missing.size else len(keys)
+        mixes = np.frombuffer(self._mix, np.uint32)[records[:stop]]
         alive: set[int] | None = None
         for i in [0, *(np.flatnonzero(mixes[1:] != mixes[:-1]) + 1).tolist()]:
             alive = self._narrow(alive, int(records[i]), i, matched)
             if not alive:
-                return alive, i, 0
-        return alive, stop, int(mixes[stop - 1])
+                return alive, i
+        return alive or set(), stop
 
-    def _walk_lazy(
-        self, it: Iterator[int], i: int, alive: set[int] | None, last_mix: int, matched: dict[int, int]
-    ) -> tuple[set[int], int]:
-        """The walk over hashes computed as it goes: one probe per block, inlined."""
-        slots, key, mix, mul, shift, mask = self._slots, self._key, self._mix, self._mul, self._shift, self._mask
+    def _walk_lazy(self, it: Iterator[int], matched: dict[int, int]) -> tuple[set[int], int]:
+        """The walk over keys as they come: one probe per block, inlined."""
+        index = self._index
+        slots, key, mix, mul, shift, mask = index.slots, self._key, self._mix, index.mul, index.shift, index.mask
+        alive: set[int] | None = None
+        last_mix, i = 0, 0
         for h in it:
             s = (h * mul >> shift) & mask
             r = slots[s]
@@ -235,22 +359,31 @@ class BlockTable:
 
     # -- updates ---------------------------------------------------------------------------
 
-    def add(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+    def add(self, endpoint: EndpointId, keys: Iterable[int], hashes: Iterable[int] | None = None) -> None:
         """``endpoint`` now holds these blocks, stored in this order; then its oldest are
-        evicted while it holds more than its capacity."""
-        hashes = checked_hashes(hashes)
-        if not hashes:
+        evicted while it holds more than its capacity (or the table more than ``max_entries``).
+
+        ``hashes``: vLLM's hash of each block (``translate`` tables), by which later events
+        name them.
+        """
+        keys = checked_hashes(keys)
+        if not keys:
             return
+        vhashes = checked_hashes(hashes) if hashes is not None and self.translate else None
+        if vhashes is not None and len(vhashes) != len(keys):
+            raise ValueError(f"{len(vhashes)} vLLM hashes for {len(keys)} blocks")
         p = self._endpoint_index(endpoint)
-        if self._blocks + len(hashes) > _MAX_LOAD * len(self._slots):
-            self._rehash(_table_size(self._blocks + len(hashes)))
+        index = self._index
+        if self._blocks + len(keys) > _MAX_LOAD * len(index.slots):
+            index.resize(_table_size(self._blocks + len(keys)), self._live_records())
         # One loop, everything inlined: a routed 8k-token prompt stores 512 blocks.
-        slots, key, mix, first = self._slots, self._key, self._mix, self._first
-        mul, shift, mask = self._mul, self._shift, self._mask
+        slots, key, mix, first = index.slots, self._key, self._mix, self._first
+        mul, shift, mask = index.mul, index.shift, index.mask
         owner, block, nxt, stamp = self._owner, self._block, self._next, self._stamp
         log, endpoint_key, refresh = self._logs[p], self._keys[p], self.refresh
+        records: list[int] | None = [] if vhashes is not None else None
         added = 0
-        for h in hashes:
+        for h in keys:
             s = (h * mul >> shift) & mask
             r = slots[s]
             while r >= 0 and key[r] != h:
@@ -266,9 +399,16 @@ class BlockTable:
                     key.append(h)
                     mix.append(0)
                     first.append(_NONE)
+                    if self.translate:
+                        self._vkey.append(0)
                 slots[s] = r
+                index.count += 1
                 self._blocks += 1
+                if records is not None:
+                    records.append(~r)  # new: its vLLM hash is not registered yet
             else:
+                if records is not None:
+                    records.append(r)
                 e = first[r]
                 while e >= 0 and owner[e] != p:
                     e = nxt[e]
@@ -292,23 +432,32 @@ class BlockTable:
             log.append(e)
             added += 1
         self._counts[p] += added
+        self._total += added
+        if records is not None:
+            self._register(records, vhashes)  # type: ignore[arg-type]
         self._maybe_compact(p)
         self._evict(p)
 
-    def remove(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+    def remove(self, endpoint: EndpointId, keys: Iterable[int]) -> None:
         """``endpoint`` no longer holds these blocks (those it did not hold are ignored)."""
         p = self._by_id.get(endpoint)
         if p is None:
             return
         owner, nxt, first = self._owner, self._next, self._first
-        for h in checked_hashes(hashes):
-            r = self._find(h)
+        for h in checked_hashes(keys):
+            r = self._index.find(h)
             e = _NONE if r < 0 else first[r]
             while e >= 0 and owner[e] != p:
                 e = nxt[e]
             if e >= 0:
                 self._drop(e)
         self._after_drops(p)
+
+    def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
+        """``remove`` by vLLM's hashes: the keys of the blocks they name (translate only)."""
+        found = [k for k in map(self.translated, checked_hashes(hashes)) if k is not None]
+        self.remove(endpoint, found)
+        return found
 
     def clear(self, endpoint: EndpointId) -> None:
         """Forget everything ``endpoint`` holds (its capacity is kept)."""
@@ -333,80 +482,50 @@ class BlockTable:
         self.clear(endpoint)
         self._capacity.pop(endpoint, None)
 
-    # -- blocks and slots ------------------------------------------------------------------
+    # -- blocks and their vLLM hashes ------------------------------------------------------
 
-    def _find(self, h: int) -> int:
-        """The record of block ``h``, or -1."""
-        slots, key, mask = self._slots, self._key, self._mask
-        s = (h * self._mul >> self._shift) & mask
-        r = slots[s]
-        while r >= 0 and key[r] != h:
-            s = (s + 1) & mask
-            r = slots[s]
-        return r
-
-    def _find_many(self, hashes: np.ndarray) -> np.ndarray:
-        """``_find`` for many hashes at once: a few probe steps in numpy, the rare long probe
-        runs one by one."""
-        slots, keys = np.frombuffer(self._slots, np.int32), np.frombuffer(self._key, np.uint64)
-        records = np.full(len(hashes), _NONE, np.int32)
-        todo, want = np.arange(len(hashes)), hashes
-        at = ((hashes * np.uint64(self._mul)) >> np.uint64(self._shift)).astype(np.intp)
-        for _ in range(4):
-            found = slots[at]
-            occupied = found >= 0
-            same = occupied & (keys[found] == want)  # found -1 reads the last key: masked out
-            records[todo[same]] = found[same]
-            on = occupied & ~same
-            if not on.any():
-                return records
-            todo, want, at = todo[on], want[on], (at[on] + 1) & self._mask
-        for j in todo.tolist():
-            records[j] = self._find(int(hashes[j]))
-        return records
+    def _register(self, records: list[int], hashes: list[int]) -> None:
+        """vLLM's hash of each stored block (``~r`` for a record created by this store)."""
+        vindex, vkey, alias = self._vindex, self._vkey, self._alias
+        if vindex.count + len(records) > _MAX_VLOAD * len(vindex.slots):
+            vindex.resize(_table_size(vindex.count + len(records), _MAX_VLOAD), vindex.live())
+        vslots, mul, shift, mask = vindex.slots, vindex.mul, vindex.shift, vindex.mask
+        for r, h in zip(records, hashes):
+            new = r < 0
+            if new:
+                r = ~r
+            elif vkey[r] == h:  # stored again, or by another pod: named already (or the name is taken)
+                continue
+            s = (h * mul >> shift) & mask  # one probe: finds the hash, or the free slot to put it in
+            x = vslots[s]
+            while x >= 0 and vkey[x] != h:
+                s = (s + 1) & mask
+                x = vslots[s]
+            if x >= 0 or h in alias:  # the hash names another block: the first writer keeps it
+                if new:
+                    vkey[r] = h ^ 1  # not h: storing h again must try again (the name may be free)
+                continue
+            if not new and vindex.find(vkey[r]) == r:  # another hash of a block already named
+                alias[h] = r
+                self._aliases_of.setdefault(r, []).append(h)
+                continue
+            vkey[r] = h
+            vslots[s] = r
+            vindex.count += 1
 
     def _delete_block(self, r: int) -> None:
-        """Take record ``r`` out of the slots and onto the free list. Backward shift: the later
-        records of its probe run move up into the hole, so no lookup stops early."""
-        slots, key, mul, shift, mask = self._slots, self._key, self._mul, self._shift, self._mask
-        s = (key[r] * mul >> shift) & mask
-        while slots[s] != r:
-            s = (s + 1) & mask
-        hole, s = s, (s + 1) & mask
-        while (moved := slots[s]) >= 0:
-            home = (key[moved] * mul >> shift) & mask
-            if (s - home) & mask >= (s - hole) & mask:  # its home is not in (hole, s]: it may move
-                slots[hole] = moved
-                hole = s
-            s = (s + 1) & mask
-        slots[hole] = _NONE
+        """Take record ``r`` out of the slots (and its vLLM hashes) and onto the free list."""
+        self._index.delete(r)
+        if self.translate:
+            self._vindex.delete(r)
+            for h in self._aliases_of.pop(r, ()):
+                del self._alias[h]
         self._first[r] = -2 - self._free_record  # <= -1: not a live record
         self._free_record = r
         self._blocks -= 1
 
     def _live_records(self) -> np.ndarray:
         return np.flatnonzero(np.frombuffer(self._first, np.int32) >= 0)
-
-    def _rehash(self, size: int) -> None:
-        """A slot table of ``size`` (a power of two) holding every live record."""
-        self._slots = array("i", bytes(4 * size))
-        self._shift, self._mask = 64 - (size.bit_length() - 1), size - 1
-        slots = np.frombuffer(self._slots, np.int32)
-        slots[:] = _NONE
-        if not self._blocks:
-            return
-        live = self._live_records()
-        keys = np.frombuffer(self._key, np.uint64)[live]
-        home = (keys * np.uint64(self._mul)) >> np.uint64(self._shift)  # numpy's product wraps mod 2**64
-        # Probe runs are short at this load: place every record whose slot is free (the first
-        # claimant of each), move the others one slot on, repeat. No slot is emptied meanwhile,
-        # so no record lands beyond a free slot of its probe run.
-        while live.size:
-            claims = np.zeros(live.size, bool)
-            claims[np.unique(home, return_index=True)[1]] = True
-            placed = claims & (slots[home] == _NONE)
-            slots[home[placed]] = live[placed]
-            live, home = live[~placed], (home[~placed] + np.uint64(1)) & np.uint64(self._mask)
 
     # -- entries ---------------------------------------------------------------------------
 
@@ -434,6 +553,7 @@ class BlockTable:
         if first[r] < 0:
             self._delete_block(r)
         self._counts[p] -= 1
+        self._total -= 1
         self._owner[e] = _FREE
         self._block[e] = self._free_entry
         self._free_entry = e
@@ -446,13 +566,13 @@ class BlockTable:
             return p
         if self._free_endpoints:
             p = self._free_endpoints.pop()
-            self._ids[p], self._keys[p], self._counts[p] = endpoint, secrets.randbits(64), 0
+            self._ids[p], self._keys[p], self._counts[p] = endpoint, secrets.randbits(32), 0
         else:
             p = len(self._ids)
             if p >= MAX_ENDPOINTS:
                 raise ValueError(f"a block table holds at most {MAX_ENDPOINTS} endpoints")
             self._ids.append(endpoint)
-            self._keys.append(secrets.randbits(64))
+            self._keys.append(secrets.randbits(32))
             self._counts.append(0)
             self._logs.append(array("i"))
             self._log_start.append(0)
@@ -464,11 +584,17 @@ class BlockTable:
         return self._owner[e] == p and self._stamp[e] == q
 
     def _evict(self, p: int) -> None:
+        """Drop ``p``'s oldest while it holds more than its capacity, or the table more than
+        ``max_entries`` (the endpoint storing pays for the table's cap, not the others)."""
         limit = self._capacity.get(self._ids[p], self.default_capacity)  # type: ignore[arg-type]
-        if limit is None or self._counts[p] <= limit:
+        over = 0 if limit is None else self._counts[p] - limit
+        if self.max_entries is not None:
+            over = max(over, self._total - self.max_entries)
+        if over <= 0:
             return
+        keep = self._counts[p] - min(over, self._counts[p])
         log, q = self._logs[p], self._log_start[p]
-        while self._counts[p] > limit:
+        while self._counts[p] > keep:
             if self._current(p, log[q], q):
                 self._drop(log[q])
             q += 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kvflow.errors import NoCapacityError
-from kvflow.router.hashcache import RequestHashes
+from kvflow.router.fingerprint import PromptFingerprints
 from kvflow.router.model import EndpointView, SchedulingRequest, SchedulingResult
 from kvflow.endpoints import EndpointId
 
@@ -32,7 +32,8 @@ class Cycle:
     """Per-request state shared by the plugins of one scheduling cycle."""
 
     request: SchedulingRequest
-    hashes: RequestHashes
+    hashes: PromptFingerprints
+    """The prompt's block keys (``num_blocks``; iterating gives them), computed when first read."""
     seed: int | random.Random
     """The tie-break seed; replaced by its generator on the first ``rng`` read."""
     block_size: int

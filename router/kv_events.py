@@ -9,6 +9,15 @@ Older vLLM versions made events ``array_like`` too (``["BlockStored", hashes, pa
 both decode, and unknown extra fields are ignored. Hashes arrive as ints (the default) or as
 32-byte digests; both become the int form ``kvflow.hashing.to_external`` gives.
 
+The index is keyed by the router's own fingerprints (``fingerprint.py``), not by vLLM's
+hashes: ``apply`` fingerprints each stored block from its tokens and extra keys, chained on
+its parent's fingerprint (looked up by the parent's vLLM hash; no parent: the root), and the
+index remembers vLLM's hash of each block, by which ``BlockRemoved`` and later children name
+it. A block whose parent the router never heard of (events missed) cannot be fingerprinted;
+nor can one whose tokens do not line up with its hashes (another block size): both are
+skipped and counted (they could not be matched anyway: a prefix walk reaches a block only
+through its parent).
+
 The router connects one SUB socket to each pod's publisher (vLLM binds ``tcp://*:5557``). A
 sequence number that goes backwards means the pod restarted with an empty cache: its blocks
 are cleared from the index.
@@ -27,7 +36,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvflow.blockbytes import as_int64
 from kvflow.hashing import external_int
+from kvflow.router.fingerprint import event_keys
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.throttle import ThrottledLog
 from kvflow.endpoints import Endpoint, EndpointId
@@ -41,6 +52,12 @@ class BlockStored:
     block_hashes: tuple[int, ...]
     parent: int | None
     block_size: int | None = None
+    token_ids: tuple[int, ...] = ()
+    """The stored blocks' tokens, block after block."""
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    """Each block's extra keys as vLLM publishes them (untagged: LoRA name, multimodal
+    ``(identifier, offset)`` pairs, cache salt, prompt-embedding digests), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +76,10 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 MAX_HASHES_PER_EVENT = 1 << 16
 """More blocks than any one request stores (a million-token prompt at block size 16)."""
 MAX_BLOCK_SIZE = 1 << 16
+MAX_TOKENS_PER_EVENT = 1 << 21
+"""Twice the longest prompt the router accepts."""
+MAX_KEY_LENGTH = 1024
+"""Characters (or bytes) in a LoRA name or one extra key; extra keys per block: 64."""
 
 
 class BadEvent(ValueError):
@@ -84,7 +105,53 @@ def _hashes(raw: Any) -> tuple[int, ...]:
     return tuple(_ext(h) for h in raw)
 
 
-_POSITIONS = {"block_hashes": 0, "parent_block_hash": 1, "block_size": 3}
+_POSITIONS = {"block_hashes": 0, "parent_block_hash": 1, "token_ids": 2, "block_size": 3, "lora_name": 6,
+              "extra_keys": 7}
+
+
+def _tokens(raw: Any) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_TOKENS_PER_EVENT or as_int64(raw) is None:
+        raise BadEvent("token_ids is not a list of at most 2**21 int64 token ids")
+    return tuple(raw)
+
+
+def _name(raw: Any) -> str | None:
+    if raw is not None and (not isinstance(raw, str) or len(raw) > MAX_KEY_LENGTH):
+        raise BadEvent(f"lora_name {raw!r:.40}")
+    return raw
+
+
+def _scalar_key(k: Any) -> bool:
+    if isinstance(k, (str, bytes)):
+        return len(k) <= MAX_KEY_LENGTH
+    return k is None or (isinstance(k, int) and not isinstance(k, bool) and -(1 << 63) <= k < 1 << 64)
+
+
+def _key(k: Any) -> bool:
+    if isinstance(k, (list, tuple)):
+        return len(k) <= 4 and all(map(_scalar_key, k))
+    return _scalar_key(k)
+
+
+def _extra_keys(raw: Any, blocks: int) -> tuple[Any, ...] | None:
+    """Per block: None, or up to 64 keys, each a string, bytes, an int, or a pair of them
+    (multimodal ``(identifier, offset)``)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, (list, tuple)) or len(raw) != blocks:
+        raise BadEvent("extra_keys is not a list with one entry per block")
+    out: list[Any] = []
+    for keys in raw:
+        if keys is not None:
+            if not isinstance(keys, (list, tuple)) or len(keys) > 64:
+                raise BadEvent("a block's extra_keys is not a list of at most 64 keys")
+            if not all(map(_key, keys)):
+                raise BadEvent("an extra key is not a string, bytes, an int or a short list of them")
+            keys = tuple(tuple(k) if isinstance(k, list) else k for k in keys)
+        out.append(keys)
+    return tuple(out)
 
 
 def _fields(raw: Any) -> tuple[Any, Any]:
@@ -109,7 +176,11 @@ def decode_event(raw: Any) -> KvEvent | None:
         size = get("block_size")
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE):
             raise BadEvent(f"block_size {size!r:.40}")
-        return BlockStored(_hashes(get("block_hashes")), None if parent is None else _ext(parent), size)
+        hashes = _hashes(get("block_hashes"))
+        return BlockStored(
+            hashes, None if parent is None else _ext(parent), size, _tokens(get("token_ids")),
+            _name(get("lora_name")), _extra_keys(get("extra_keys"), len(hashes)),
+        )
     if tag == "BlockRemoved":
         return BlockRemoved(_hashes(get("block_hashes")))
     if tag == "AllBlocksCleared":
@@ -133,22 +204,43 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
     return [e for e in (decode_event(raw) for raw in batch[1]) if e is not None]
 
 
+def stored_fingerprints(index: PrefixIndex, event: BlockStored) -> list[int] | None:
+    """The fingerprints of the blocks a ``BlockStored`` reports, or None when they cannot be
+    computed: a parent the index does not know, or tokens that do not line up with the hashes
+    (another block size, or blocks vLLM left out of the event's hashes)."""
+    fingerprinter = index.fingerprinter
+    n, size = len(event.block_hashes), fingerprinter.block_size
+    if (event.block_size or size) != size or len(event.token_ids) != n * size:
+        return None
+    parent = fingerprinter.root if event.parent is None else index.fingerprint_of(event.parent)
+    if parent is None:
+        return None
+    return fingerprinter.stored(parent, event.token_ids, event_keys(event.lora_name, event.extra_keys, n))
+
+
 def apply(
     index: PrefixIndex, endpoint: EndpointId, events: list[KvEvent], speculative: SpeculativeIndex | None = None
-) -> None:
-    """Events into the index; a guess about a block (speculative) ends once an event speaks of it."""
+) -> int:
+    """Events into the index; a guess about a block (speculative) ends once an event speaks of
+    it. Returns how many ``BlockStored`` events could not be fingerprinted (skipped)."""
+    skipped = 0
     for event in events:
         if isinstance(event, BlockStored):
-            index.add(endpoint, event.block_hashes)
+            keys = stored_fingerprints(index, event)
+            if keys is None:
+                skipped += 1
+                continue
+            index.add(endpoint, keys, event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            index.remove(endpoint, event.block_hashes)
+            keys = index.remove_hashes(endpoint, event.block_hashes)
         else:
             index.clear(endpoint)
             if speculative is not None:
                 speculative.clear(endpoint)
             continue
         if speculative is not None:
-            speculative.discard(endpoint, event.block_hashes)
+            speculative.discard(endpoint, keys)
+    return skipped
 
 
 Counted = Callable[[EndpointId, str], None]
@@ -170,7 +262,8 @@ class KvEventSubscriber:
         self.index = index
         self.on_event = on_event
         self.on_problem = on_problem
-        """Hears ``(endpoint, "bad_batch" | "restart")``: the router counts them in a metric."""
+        """Hears ``(endpoint, "bad_batch" | "restart" | "unchained")``: the router counts them in
+        a metric (``unchained``: a ``BlockStored`` whose blocks could not be fingerprinted)."""
         self.speculative = speculative
         self.heard: set[EndpointId] = heard if heard is not None else set()
         """Endpoints that have sent at least one batch."""
@@ -275,7 +368,8 @@ class KvEventSubscriber:
             self._problem(endpoint_id, "bad_batch")
             return
         self.heard.add(endpoint_id)
-        apply(self.index, endpoint_id, events, self.speculative)
+        for _ in range(apply(self.index, endpoint_id, events, self.speculative)):
+            self._problem(endpoint_id, "unchained")
         if self.on_event is not None:
             for event in events:
                 self.on_event(endpoint_id, type(event).__name__)

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvflow.router.hashcache import RequestHashes
+from kvflow.router.fingerprint import PromptFingerprints
 from kvflow.router.model import SchedulingRequest
 from kvflow.router.pd import Decision
 
@@ -125,7 +125,7 @@ class DecisionLog:
     def __init__(self, size: int = 100) -> None:
         # Raw records; rendering to JSON-able dicts happens only when someone asks.
         self._entries: deque[
-            tuple[float, SchedulingRequest, Decision | None, float, str | None, RequestHashes | None]
+            tuple[float, SchedulingRequest, Decision | None, float, str | None, PromptFingerprints | None]
         ] = deque(maxlen=size)
 
     def add(
@@ -134,7 +134,7 @@ class DecisionLog:
         decision: Decision | None,
         seconds: float,
         error: str | None = None,
-        hashes: RequestHashes | None = None,
+        hashes: PromptFingerprints | None = None,
     ) -> None:
         self._entries.append((time.time(), request, decision, seconds, error, hashes))
 
@@ -148,7 +148,7 @@ def render(
     decision: Decision | None,
     seconds: float,
     error: str | None,
-    hashes: RequestHashes | None = None,
+    hashes: PromptFingerprints | None = None,
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "time": when,
@@ -161,8 +161,8 @@ def render(
         "tokens_digest": _digest(request.token_ids),
         "micros": round(seconds * 1e6, 1),
     }
-    if hashes is not None:  # every block hashed now if the decision did not need to: debug only
-        entry["block_hashes_digest"] = _digest(hashes.all())
+    if hashes is not None:  # what the blocks are keyed on, the same in any router process
+        entry["block_hashes_digest"] = hashes.digest()
     if error is not None:
         entry["error"] = error
     if decision is not None:

@@ -1,18 +1,19 @@
 """Which endpoint holds which KV block: the prefix-cache indexes.
 
-Each answers one question: for a request's hash chain, how many leading blocks does each
-endpoint hold? vLLM reuses only a contiguous prefix, so the walk (``longest_prefixes``) goes
-down the chain intersecting holder sets and stops as soon as no endpoint is left — one pass,
-touching only cached blocks, never advancing a lazily hashed chain past the first block
-nobody holds. The two that mirror the pods' caches keep their entries in a ``BlockTable``
-(``block_table.py``: flat arrays, about 50 bytes per (block, endpoint) entry, an age order and
-a cap per endpoint).
+Each answers one question: for a request's block keys (its prefix fingerprints,
+``fingerprint.py``), how many leading blocks does each endpoint hold? vLLM reuses only a
+contiguous prefix, so the walk (``longest_prefixes``) goes down the chain intersecting holder
+sets and stops as soon as no endpoint is left: one pass, touching only cached blocks. The two
+that mirror the pods' caches keep their entries in a ``BlockTable`` (``block_table.py``: flat
+arrays, 45-61 bytes per (block, endpoint) entry, an age order and a cap per endpoint).
 
 * ``PrefixIndex`` is exact bookkeeping, fed by vLLM's KV events (``BlockStored``,
-  ``BlockRemoved``, ``AllBlocksCleared``): the precise scorer. An endpoint never holds more
-  entries than its KV capacity (``vllm:cache_config_info`` ``num_gpu_blocks``, or
-  ``DEFAULT_CAPACITY`` until the pod reports it): beyond that its oldest stored are evicted,
-  so a pod whose events go astray, or that lies, cannot grow the router.
+  ``BlockRemoved``, ``AllBlocksCleared``; ``kv_events.apply`` fingerprints the stored blocks
+  from their tokens): the precise scorer. It remembers vLLM's hash of each block it holds, as
+  events name blocks by it. An endpoint never holds more entries than its KV capacity
+  (``vllm:cache_config_info`` ``num_gpu_blocks``, or ``DEFAULT_CAPACITY`` until the pod
+  reports it), nor the index more than ``MAX_ENTRIES``: beyond that the storing endpoint's
+  oldest are evicted, so a pod whose events go astray, or that lies, cannot grow the router.
 * ``SpeculativeIndex`` bridges the gap between routing a request and its pod's ``BlockStored``
   events (a prefill later): what the router just sent counts as cached there for a few seconds.
   Without it, a burst of one group's requests scatters before the first events arrive.
@@ -25,11 +26,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Set
 
+import numpy as np
+
 from kvflow.endpoints import EndpointId
 from kvflow.router.block_table import BlockTable
+from kvflow.router.fingerprint import Fingerprinter
 
 DEFAULT_CAPACITY = 1 << 20
 """Blocks a pod may hold in the precise index before its metrics report its real capacity."""
+MAX_ENTRIES = 1 << 24
+"""(block, pod) entries the precise index holds at most, all pods together (about 1 GiB)."""
 
 
 def longest_prefixes(holders: Mapping[int, Set[EndpointId]], chain: Iterable[int]) -> dict[EndpointId, int]:
@@ -37,7 +43,7 @@ def longest_prefixes(holders: Mapping[int, Set[EndpointId]], chain: Iterable[int
 
     The walk every index answers, over a plain mapping (the speculative index's; ``BlockTable.match``
     runs the same walk over its arrays, and tests hold the two to the same answers). ``chain``
-    may compute hashes lazily: it is not advanced past the first block nobody holds.
+    is not advanced past the first block nobody holds.
     """
     matched: dict[EndpointId, int] = {}
     it = iter(chain)
@@ -68,12 +74,23 @@ def longest_prefixes(holders: Mapping[int, Set[EndpointId]], chain: Iterable[int
 class PrefixIndex:
     """Blocks per endpoint, as the endpoints report them (KV events), at most a pod's capacity.
 
-    Storing a block the endpoint already holds changes nothing; over capacity, the blocks it
-    stored first are evicted first.
+    Keyed by the router's fingerprints (``fingerprinter``'s, the ones requests are walked
+    with), with vLLM's hash of each block beside it. Storing a block the endpoint already
+    holds changes nothing; over capacity, the blocks it stored first are evicted first.
     """
 
-    def __init__(self, default_capacity: int | None = DEFAULT_CAPACITY) -> None:
-        self._table = BlockTable(refresh=False, default_capacity=default_capacity)
+    def __init__(
+        self,
+        default_capacity: int | None = DEFAULT_CAPACITY,
+        *,
+        fingerprinter: Fingerprinter | None = None,
+        max_entries: int | None = MAX_ENTRIES,
+    ) -> None:
+        self.fingerprinter = fingerprinter or Fingerprinter(16)
+        """Fingerprints the blocks events report (``kv_events.apply``)."""
+        self._table = BlockTable(
+            refresh=False, default_capacity=default_capacity, translate=True, max_entries=max_entries
+        )
 
     def __len__(self) -> int:
         return len(self._table)
@@ -92,12 +109,21 @@ class PrefixIndex:
         """The pod's real cache size, once its metrics tell it; its oldest beyond it are evicted."""
         self._table.set_capacity(endpoint, blocks)
 
-    def add(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
-        """Raises ValueError, before changing anything, if a hash is not an unsigned 64-bit int."""
-        self._table.add(endpoint, hashes)
+    def add(self, endpoint: EndpointId, fingerprints: Iterable[int], hashes: Iterable[int] | None = None) -> None:
+        """``endpoint`` stored these blocks; ``hashes``: vLLM's hash of each, as later events name
+        them. Raises ValueError, before changing anything, if a value is not an unsigned 64-bit int."""
+        self._table.add(endpoint, fingerprints, hashes)
 
-    def remove(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
-        self._table.remove(endpoint, hashes)
+    def remove(self, endpoint: EndpointId, fingerprints: Iterable[int]) -> None:
+        self._table.remove(endpoint, fingerprints)
+
+    def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
+        """``endpoint`` evicted the blocks vLLM hashes so: the fingerprints of those the index knew."""
+        return self._table.remove_hashes(endpoint, hashes)
+
+    def fingerprint_of(self, block_hash: int) -> int | None:
+        """The fingerprint of the block vLLM hashes to ``block_hash``, while a pod holds it."""
+        return self._table.translated(block_hash)
 
     def clear(self, endpoint: EndpointId) -> None:
         self._table.clear(endpoint)
@@ -132,8 +158,7 @@ class ApproxPrefixIndex:
 
         Touched tail-first, as vLLM frees a request's blocks, so a prefix outlives its suffix.
         """
-        blocks = list(hashes)
-        blocks.reverse()
+        blocks = hashes[::-1] if isinstance(hashes, (list, np.ndarray)) else list(hashes)[::-1]
         self._table.add(endpoint, blocks)
 
     def clear(self, endpoint: EndpointId) -> None:

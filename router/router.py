@@ -15,12 +15,11 @@ from typing import Any
 from zlib import crc32
 
 from kvflow.errors import InvalidRequestError, KvflowError, RateLimitError
-from kvflow.hashing import block_extra_keys
 from kvflow.router.config import DEFAULT_MAX_PROMPT_TOKENS, RouterConfig
 from kvflow.router.datastore import Datastore
 from kvflow.router.flight import Flight
 from kvflow.router.framework import Cycle, Profile, StartedHook
-from kvflow.router.hashcache import BlockHashCache, RequestHashes
+from kvflow.router.fingerprint import Fingerprinter, PromptFingerprints, request_keys
 from kvflow.router.kv_events import KvEventSubscriber
 from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResult
 from kvflow.router.observability import DecisionLog, RouterMetrics
@@ -35,15 +34,15 @@ from kvflow.endpoints import Endpoint, EndpointId
 PROFILE_HEADER = "x-kvflow-profile"
 """A request may name another configured profile (benchmarks, A/B tests)."""
 PREHASH_TOKENS = 32_768
-"""Prompts at least this long are hashed off the event loop (``Router.prepare``)."""
+"""Prompts at least this long are fingerprinted off the event loop (``Router.prepare``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class _Decided:
     """What a decision leaves for the request's ``Flight``."""
 
-    hashes: RequestHashes | None
-    """The prompt's block hashes, when the decision read them (the indexes learn them)."""
+    hashes: PromptFingerprints | None
+    """The prompt's block fingerprints, when the decision read them (the indexes learn them)."""
     matches: Mapping[EndpointId, int] = field(default_factory=dict)
     """Leading blocks each endpoint was believed to hold."""
 
@@ -96,7 +95,9 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(None)
         self.approx = ApproxPrefixIndex(config.approx_capacity)
-        self.precise = PrefixIndex()
+        self.fingerprinter = Fingerprinter(config.block_size)
+        """The router's block keys (one secret per router): prompts and KV events alike."""
+        self.precise = PrefixIndex(fingerprinter=self.fingerprinter)
         self.speculative = SpeculativeIndex(config.speculative_ttl)
         self.event_sources: set[EndpointId] = set()
         ctx = PluginContext(self.approx, self.precise, self.speculative, self.event_sources, config.step_tokens)
@@ -106,13 +107,14 @@ class Router:
         self.profile = profile
         self._hooks = [p for p in plugins if isinstance(p, StartedHook)]
         self.policy = PdPolicy(config.pd_enabled, config.pd_threshold)
-        self.hash_cache = BlockHashCache(config.block_size, seed=config.hash_seed, algo=config.hash_algo)
         self.datastore = Datastore(endpoints or config.endpoints, prefill_rate=config.prefill_rate)
         self.metrics = RouterMetrics(config.pool_name)
         self.log = DecisionLog()
-        # Hashes computed while scheduling, reused when the request starts (approx index update);
-        # None for a decision that did not read prefixes (nothing to learn).
+        # Fingerprints computed while scheduling, reused when the request starts (approx index
+        # update); None for a decision that did not read prefixes (nothing to learn).
         self._pending: OrderedDict[str, _Decided] = OrderedDict()
+        self._prepared: OrderedDict[str, PromptFingerprints] = OrderedDict()
+        """Long prompts' fingerprints, computed by ``prepare`` in a worker thread."""
         self._flights: dict[str, Flight] = {}
         """Requests begun with ``request_started`` (no attempts), until ``request_finished``."""
         self._clock = clock
@@ -183,14 +185,21 @@ class Router:
         return prompt_token_ids(self.tokenizer, body)
 
     async def prepare(self, request: SchedulingRequest) -> None:
-        """Hash a long prompt in a worker thread, so ``schedule`` finds its hashes memoised and
+        """Fingerprint a long prompt in a worker thread, so ``schedule`` finds them computed and
         the event loop is never held for long by one request (the thread yields the GIL to it)."""
         if len(request.token_ids) < PREHASH_TOKENS:
             return
         name = request.profile or request.headers.get(PROFILE_HEADER) or self.profile
         profile = self.profiles.get(name)
         if profile is not None and (profile.reads_prefixes or self.policy.enabled):
-            await asyncio.to_thread(self._hashes(request).all)
+            fingerprints = self.fingerprints(request)
+            try:
+                await asyncio.to_thread(fingerprints.all)
+            except InvalidRequestError:
+                return  # schedule raises it again, where callers expect it
+            self._prepared[request.request_id] = fingerprints
+            if len(self._prepared) > 64:
+                self._prepared.popitem(last=False)
 
     def schedule(self, request: SchedulingRequest) -> SchedulingResult:
         started = perf_counter()
@@ -236,7 +245,7 @@ class Router:
             profile = self.profiles.get(result.profile)
             may_split = self.policy.enabled and bool(self.datastore.by_role()[1])
             reads = profile is None or profile.reads_prefixes or may_split
-            decided = _Decided(self._hashes(request) if reads else None, {})
+            decided = _Decided(self.fingerprints(request) if reads else None, {})
         hashes = decided.hashes
         blocks = hashes.all if hashes is not None else None
         learned: list[int] | None = None
@@ -296,24 +305,21 @@ class Router:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _hashes(self, request: SchedulingRequest) -> RequestHashes:
-        """The request's block hashes, lazily: nothing is hashed until a plugin walks them."""
-        lora = request.lora
-        if lora is None and not request.cache_salt and not request.mm_hashes:
-            return self.hash_cache.for_request(request.token_ids)
-        # vLLM keys LoRA blocks on the adapter's name *and* path (docs/vllm-protocols.md).
-        adapter = (lora, self.config.lora_paths.get(lora, lora)) if lora else None
-        every = block_extra_keys(1, lora=adapter)
-        first = block_extra_keys(0, lora=adapter, cache_salt=request.cache_salt)
-        if request.mm_hashes:  # not vLLM's keys (it hashes processed items): only tells prompts apart
-            media = tuple(("mm", h) for h in request.mm_hashes)
-            every, first = (*(every or ()), *media), (*(first or ()), *media)
-        return self.hash_cache.for_request(request.token_ids, every, first)
+    def fingerprints(self, request: SchedulingRequest) -> PromptFingerprints:
+        """The request's block fingerprints (the indexes' keys), computed when first read:
+        keyed on its LoRA adapter and cache salt as vLLM's events key the pods' blocks."""
+        if request.lora is None and not request.cache_salt and not request.mm_hashes:
+            return self.fingerprinter.prompt(request.token_ids)
+        first, later = request_keys(request.lora, request.cache_salt, request.mm_hashes)
+        return self.fingerprinter.prompt(request.token_ids, first, later)
 
     def _cycle(self, request: SchedulingRequest) -> Cycle:
         # The tie-break generator is seeded only if a picker draws from it (Cycle.rng).
         seed = crc32(request.request_id.encode()) ^ self.config.seed
-        return Cycle(request, self._hashes(request), seed, self.config.block_size, self._clock())
+        fingerprints = self._prepared.pop(request.request_id, None)
+        if fingerprints is None or fingerprints.token_ids is not request.token_ids:
+            fingerprints = self.fingerprints(request)
+        return Cycle(request, fingerprints, seed, self.config.block_size, self._clock())
 
     def _on_metrics(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         if metrics.num_blocks:

@@ -26,7 +26,7 @@ from kvflow.router.kv_events import apply, decode_batch
 from kvflow.sim.events import KVEventBatch
 from kvflow.sim.profiles import Profile
 
-from kvbench.oracle import Pod, Prepared
+from kvbench.oracle import HASH, Pod, Prepared
 
 MODEL = "sim-model"
 
@@ -39,7 +39,7 @@ class KvflowReplay:
         self.name = f"kvflow {profile} (replay)"
         self.now = 0.0
         self.endpoints = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(pods)]
-        raw = {"kvEvents": {"enabled": False}, **(config or {})}
+        raw = {"kvEvents": {"enabled": False}, "blockSize": HASH.block_size, **(config or {})}
         self.router = Router(load_config(raw), self.endpoints, profile=profile, clock=lambda: self.now)
         self.scrape_interval = self.router.config.scrape_interval
         self.num_blocks = num_blocks
@@ -48,6 +48,8 @@ class KvflowReplay:
         """Trace request index -> the pod it was sent to."""
         self.decide_seconds = 0.0
         """CPU time the router spent deciding (thread time), for the whole replay."""
+        self.unchained = 0
+        """``BlockStored`` events the router could not fingerprint (none, when block sizes agree)."""
 
     def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int:
         self.now = now
@@ -81,7 +83,7 @@ class KvflowReplay:
             return
         eid = self.endpoints[pod.index].id
         payload = msgspec.msgpack.encode(KVEventBatch(ts=now, events=events))
-        apply(self.router.precise, eid, decode_batch(payload), self.router.speculative)
+        self.unchained += apply(self.router.precise, eid, decode_batch(payload), self.router.speculative)
         self.router.event_sources.add(eid)
 
     def scraped(self, pod: Pod, now: float) -> None:

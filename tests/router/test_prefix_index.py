@@ -7,7 +7,8 @@ import random
 import pytest
 
 from kvflow.hashing import hash_request_tokens, to_external
-from kvflow.router.hashcache import BlockHashCache
+from kvflow.router.fingerprint import Fingerprinter, request_keys
+from kvflow.router.kv_events import BlockStored, apply
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, longest_prefixes
 from kvflow.endpoints import EndpointId
 
@@ -61,33 +62,49 @@ def test_approx_index_evicts_suffix_first() -> None:
     assert index.blocks_of(A) == 2
 
 
-def test_request_hashes_equal_vllm_chain_and_are_memoised() -> None:
+def test_prompts_sharing_a_prefix_share_its_fingerprints() -> None:
+    f = Fingerprinter(16)
     tokens = list(range(100))
-    cache = BlockHashCache(16, seed="0")
-    expected = [to_external(h) for h in hash_request_tokens(tokens, 16, seed="0")]
-    assert cache.for_request(tokens).all() == expected
-    assert (cache.misses, cache.hits) == (6, 0)
-    again = cache.for_request(tokens[:64] + [999] * 36)
-    assert again.all()[:4] == expected[:4] and again.all()[4] != expected[4]
-    assert cache.hits == 4
+    expected = f.prompt(tokens).all()
+    again = f.prompt(tokens[:64] + [999] * 36).all()
+    assert again[:4] == expected[:4] and again[4] != expected[4]
 
 
-def test_lora_changes_every_hash() -> None:
-    cache = BlockHashCache(16)
-    plain = cache.for_request(list(range(32))).all()
-    lora = cache.for_request(list(range(32)), ("my-adapter",)).all()
+def test_lora_changes_every_fingerprint() -> None:
+    f = Fingerprinter(16)
+    plain = f.prompt(list(range(32))).all()
+    lora = f.prompt(list(range(32)), *request_keys("my-adapter", None)).all()
     assert not set(plain) & set(lora)
 
 
-def test_a_pod_cannot_grow_the_precise_index_past_its_capacity() -> None:
-    from kvflow.router.kv_events import BlockStored, apply
+def flood(blocks: int) -> tuple[BlockStored, list[int]]:
+    """One ``BlockStored`` of ``blocks`` blocks, and the fingerprints a router walks them with."""
+    tokens = [i % 50_000 for i in range(16 * blocks)]
+    hashes = tuple(to_external(h) for h in hash_request_tokens(tokens, 16))
+    return BlockStored(hashes, None, 16, tuple(tokens)), tokens  # type: ignore[arg-type]
 
+
+def test_a_pod_cannot_grow_the_precise_index_past_its_capacity() -> None:
     index = PrefixIndex(default_capacity=1000)  # until the pod's metrics report num_gpu_blocks
-    apply(index, A, [BlockStored(tuple(range(1, 5001)), None)])  # a pod that floods, or lost its BlockRemoved
-    assert index.blocks_of(A) == 1000 and index.match(range(4001, 5001)) == {A: 1000}
+    event, tokens = flood(5000)
+    apply(index, A, [event])  # a pod that floods, or lost its BlockRemoved
+    keys = index.fingerprinter.prompt(tokens).all()
+    assert index.blocks_of(A) == 1000 and index.match(keys[4000:]) == {A: 1000}
     index.set_capacity(A, 10)  # vllm:cache_config_info num_gpu_blocks: its oldest go
-    assert index.blocks_of(A) == 10 and index.match(range(4991, 5001)) == {A: 10}
+    assert index.blocks_of(A) == 10 and index.match(keys[4990:]) == {A: 10}
     assert len(index) == 10
+    assert index.fingerprint_of(event.block_hashes[4989]) is None  # evicted blocks take their translation along
+    assert index.fingerprint_of(event.block_hashes[4990]) == keys[4990]
+
+
+def test_pods_together_cannot_grow_the_precise_index_past_its_cap() -> None:
+    """Before their metrics tell their capacity, many pods could each store a million blocks:
+    the index as a whole is capped too, and the pod that stores pays with its own oldest."""
+    index = PrefixIndex(max_entries=1500)
+    index.add(A, range(1, 1001))
+    index.add(B, range(2001, 3001))
+    assert (index.blocks_of(A), index.blocks_of(B)) == (1000, 500)
+    assert index.match(range(1, 1001)) == {A: 1000} and index.match(range(2501, 3001)) == {B: 500}
 
 
 def test_a_compact_index_weighs_tens_of_bytes_per_entry() -> None:

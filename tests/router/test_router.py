@@ -43,7 +43,7 @@ def test_approx_profile_learns_and_follows_the_prefix() -> None:
 
 def test_precise_profile_reads_the_kv_event_index() -> None:
     router = Router(load_config(None), PODS, profile="prefix-precise")
-    hashes = router.hash_cache.for_request(PROMPT).all()
+    hashes = router.fingerprinter.prompt(PROMPT).all()
     router.precise.add(PODS[2].id, hashes[:10])
     result = router.schedule(req("a"))
     assert (result.targets[0], result.cached_tokens) == (PODS[2], 160)
@@ -105,7 +105,7 @@ PD_PODS = [
 def test_pd_decision(prompt_tokens: int, cached_blocks: int, disaggregate: bool) -> None:
     router = Router(load_config({"pd": {"threshold": 256}}), PD_PODS, profile="prefix-precise")
     tokens = PROMPT[:prompt_tokens]
-    router.precise.add(PD_PODS[0].id, router.hash_cache.for_request(tokens).all()[:cached_blocks])
+    router.precise.add(PD_PODS[0].id, router.fingerprinter.prompt(tokens).all()[:cached_blocks])
     result = router.schedule(req("a", tokens))
     assert result.targets[0].role is Role.DECODE
     assert result.prefill == (PD_PODS[2] if disaggregate else None)

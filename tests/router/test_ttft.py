@@ -8,7 +8,6 @@ import pytest
 
 from kvflow.endpoints import Endpoint
 from kvflow.router.framework import Cycle
-from kvflow.router.hashcache import BlockHashCache
 from kvflow.router.model import EndpointView, EngineMetrics, LoadCounter, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
@@ -34,7 +33,7 @@ def run(
     """Estimates (tokens of work, or seconds once speeds are known) per pod index."""
     eps = pods(n)
     precise = PrefixIndex()
-    hashes = BlockHashCache(16).for_request(PROMPT).all()
+    hashes = precise.fingerprinter.prompt(PROMPT).all()
     for i, blocks in cached.items():
         precise.add(eps[i].id, hashes[:blocks])
     ctx = PluginContext(ApproxPrefixIndex(), precise, None, {ep.id for ep in eps}, STEP)
@@ -51,7 +50,7 @@ def run(
         counter.observe(metrics)  # as a scrape taken before this router sent anything would
         views.append(EndpointView(ep, metrics, counter=counter))
     request = SchedulingRequest("r", "m", PROMPT)
-    cycle = Cycle(request, BlockHashCache(16).for_request(PROMPT), random.Random(0), 16, now=0.0)
+    cycle = Cycle(request, precise.fingerprinter.prompt(PROMPT), random.Random(0), 16, now=0.0)
     scores = scorer.score(cycle, views)
     estimates = cycle.data["ttft"]
     assert max(scores.values()) == 1.0
