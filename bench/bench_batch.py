@@ -50,7 +50,7 @@ import aiohttp
 from kvbench import loadgen
 from kvbench.pods import start_pods
 from kvbench.workloads import Trace, TraceRequest
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 
 OUT = Path(__file__).resolve().parent / "out"
 MODEL = "sim-model"

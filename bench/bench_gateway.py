@@ -43,7 +43,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.local.procs import ProcessGroup, kvflow_argv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from edge_attacks import run_attacks  # noqa: E402 - a sibling module of this script

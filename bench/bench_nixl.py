@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.local.procs import ProcessGroup, kvflow_argv
 from kvflow.sim.nixl_agent import NixlAgent, ProgressConfig, map_buffer
 from kvflow.sim.nixl_layout import (
     MODEL_SHAPES,

@@ -38,7 +38,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 
 OUT = Path(__file__).resolve().parent / "out"
 OLD_SCRAPE = {"scrapeIntervalSeconds": 0.05, "scrapeIdleIntervalSeconds": 0.05}
@@ -115,7 +115,7 @@ def own_cpu(pid: int) -> float:
 def vllm_table(seconds: float) -> list[str]:
     """Scrapes land on vLLM's API server process (the engine core is a separate process): its CPU
     per scrape, times the rates the router scrapes at, is what each router replica costs it."""
-    from kvflow.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
+    from kvflow.local.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
     from kvflow.router.config import load_config
 
     model = ensure_tiny_model(lambda line: print(line, file=sys.stderr))

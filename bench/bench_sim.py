@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 
 
 async def _client(url: str, body: bytes, deadline: float, lat: list[float], ttft: list[float],

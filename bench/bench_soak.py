@@ -36,7 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvflow.procs import Child, ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import Child, ProcessGroup, free_port, kvflow_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "soak-model"

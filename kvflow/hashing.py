@@ -51,7 +51,7 @@ ExternalBlockHash = int | bytes
 
 HashAlgo = Literal["sha256", "sha256_cbor"]
 HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")
-DEFAULT_SEED = "0"  # kvflow starts every vLLM with PYTHONHASHSEED=0 (kvflow.realvllm)
+DEFAULT_SEED = "0"  # kvflow starts every vLLM with PYTHONHASHSEED=0 (kvflow/local/realvllm.py)
 VLLM_UNSET_SEED = "vllm-none-hash"  # vLLM's seed for sha256/sha256_cbor when PYTHONHASHSEED is unset
 DEFAULT_ALGO: HashAlgo = "sha256"
 

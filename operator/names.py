@@ -7,8 +7,8 @@ import os
 from typing import Literal
 
 from kvflow import IMAGE as KVFLOW_IMAGE
+from kvflow import VLLM_VERSION
 from kvflow.operator.spec import LLMService, PoolRole
-from kvflow.realvllm import VLLM_VERSION
 
 Component = Literal["prefill", "decode", "router", "gateway"]
 

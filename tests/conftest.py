@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvflow.procs import Child, ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import Child, ProcessGroup, free_port, kvflow_argv
 
 
 @dataclass

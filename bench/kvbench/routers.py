@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvflow.procs import free_port, kvflow_argv
+from kvflow.local.procs import free_port, kvflow_argv
 from kvflow.router.config import BUILTIN_PROFILES
 
 from kvbench.pods import MODEL, Pod, router_config

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvflow.procs import ProcessGroup, StartupError, free_port
+from kvflow.local.procs import ProcessGroup, StartupError, free_port
 from kvflow.sim.profiles import get_profile
 
 from kvbench import loadgen, oracle, pods as podlib, report, routers

@@ -16,7 +16,7 @@ import pytest
 
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.server import RunningGateway, start_gateway
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPod, SimPodFactory
 from tests.gateway.fakes import FakePod, ScriptedRouter
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.batchcli import Sample, endpoint_of, progress_line, summary
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPodFactory
 
 MODEL = "sim-model"

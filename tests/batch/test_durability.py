@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPodFactory
 
 MODEL = "sim-model"

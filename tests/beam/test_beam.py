@@ -17,7 +17,7 @@ from apache_beam.testing.util import assert_that  # noqa: E402
 
 from kvflow.beam import KvflowChatModelHandler, KvflowCompletionsModelHandler, StackOptions  # noqa: E402
 from kvflow.beam.stack import LocalStack, stop_local_stacks  # noqa: E402
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv  # noqa: E402
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv  # noqa: E402
 from tests.conftest import SimPodFactory  # noqa: E402
 
 MODEL = "sim-model"

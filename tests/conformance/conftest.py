@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvflow.procs import Child, ProcessGroup, free_port, http_ok
+from kvflow.local.procs import Child, ProcessGroup, free_port, http_ok
 
 from .targets import KINDS, Endpoints, Target, TargetFactory, command
 

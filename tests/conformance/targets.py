@@ -2,7 +2,7 @@
 
 (Helpers; the fixtures are in conftest.py.)
 
-Both are started the way tests/golden was captured (kvflow.realvllm's settings): served name
+Both are started the way tests/golden was captured (kvflow.local.realvllm's settings): served name
 ``tiny-llama``, block size 32, max model len 512, 48 KV blocks, server load tracking, PYTHONHASHSEED, and KV events
 published to a SUB socket *the test binds* (``tcp://127.0.0.1:P``: the server connects, as in
 llm-d). The sim uses the tiny model's tokenizer when it is built, so token counts agree too.
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvflow.procs import kvflow_argv
+from kvflow.local.procs import kvflow_argv
 
 GOLDEN = Path(__file__).parent.parent / "golden"
 REAL = os.environ.get("KVFLOW_REAL_VLLM") == "1"
@@ -38,7 +38,7 @@ def golden(name: str) -> Any:
 
 
 def tiny_model_dir() -> Path | None:
-    from kvflow import realvllm
+    from kvflow.local import realvllm
 
     d = realvllm.tiny_model_dir()
     return d if (d / "tokenizer.json").is_file() else None
@@ -91,7 +91,7 @@ def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None) 
             "--prefix-caching-hash-algo", hash_algo, "--kv-events-config", config, "--enable-server-load-tracking",
         )
         return argv, ({"PYTHONHASHSEED": hash_seed} if hash_seed is not None else {})
-    from kvflow import realvllm
+    from kvflow.local import realvllm
 
     argv, env = realvllm.vllm_command(
         realvllm.ensure_tiny_model(), ep.host, ep.port, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,

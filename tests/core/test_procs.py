@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow import procs
-from kvflow.procs import ProcessGroup, signals_deferred
+from kvflow.local import procs
+from kvflow.local.procs import ProcessGroup, signals_deferred
 
 
 def test_a_signal_inside_the_block_waits_for_its_end() -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from kvflow.endpoints import Role
-from kvflow.up import plan_stack
+from kvflow.local.up import plan_stack
 
 
 def test_aggregated_stack_uses_role_both():

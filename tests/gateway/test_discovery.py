@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.gateway.discovery import discover, plan_pools
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 
 
 def entry(name: str, parent: str | None = None, length: int | None = 4096) -> dict[str, object]:

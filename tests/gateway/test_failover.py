@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.local.procs import ProcessGroup, kvflow_argv
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 
 MODEL = "sim-model"
 json_values = st.recursive(

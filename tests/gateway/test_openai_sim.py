@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.local.procs import ProcessGroup, kvflow_argv
 from tests.conftest import free_port
 
 MODEL = "tiny"

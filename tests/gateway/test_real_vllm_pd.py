@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.local.procs import ProcessGroup, kvflow_argv
 from tests.conftest import free_port
 
 pytestmark = [
@@ -36,7 +36,7 @@ def metric(url: str, name: str) -> float:
 
 
 async def test_pd_through_the_gateway_equals_aggregated_greedy_output(tmp_path: Path) -> None:
-    from kvflow import realvllm
+    from kvflow.local import realvllm
 
     realvllm.ensure_vllm_venv()
     model_dir = realvllm.ensure_tiny_model()

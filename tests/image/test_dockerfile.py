@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import kvflow
-from kvflow.realvllm import NIXL_VERSION
+from kvflow import NIXL_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import kvflow
-from kvflow.procs import ProcessGroup, free_port
+from kvflow.local.procs import ProcessGroup, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "image.sh"

@@ -22,7 +22,7 @@ from operator_harness import Harness, eventually
 from operator_rbac import audit_against_chart
 from test_operator_lifecycle import LLMS, NAME, deployment, sample, status
 
-from kvflow.procs import free_port
+from kvflow.local.procs import free_port
 
 LEASE_NS = "kvflow-system"
 LEASE = "kvflow"  # the chart passes its full name (release "kvflow"); its Role names that Lease

@@ -1,5 +1,5 @@
 """Which images run, named in one place each: kvflow's own (kvflow/__init__.py, the image this
-repository builds) and vLLM's (its official image at kvflow.realvllm.VLLM_VERSION, the version
+repository builds) and vLLM's (its official image at kvflow.VLLM_VERSION, the version
 kvflow's protocols and golden captures are written against)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import kvflow
 from kvflow.operator import names
 from kvflow.operator.render import render
 from kvflow.operator.spec import parse
-from kvflow.realvllm import VLLM_VERSION
+from kvflow import VLLM_VERSION
 
 
 def test_the_operator_defaults_to_the_image_this_repository_builds() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from kvflow.procs import Child, ProcessGroup, kvflow_argv
+from kvflow.local.procs import Child, ProcessGroup, kvflow_argv
 from tests.conftest import free_port
 from tests.pd.conftest import side_channel_port
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl nixl-cu12)")
 
-from kvflow.procs import ProcessGroup, kvflow_argv
+from kvflow.local.procs import ProcessGroup, kvflow_argv
 from tests.conftest import free_port
 from tests.pd.pods import MODEL, Pod, metrics, start_pod
 

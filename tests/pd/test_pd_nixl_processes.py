@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl nixl-cu12)")
 
-from kvflow.procs import ProcessGroup
+from kvflow.local.procs import ProcessGroup
 from tests.pd.pods import decode, metrics, prefill, start_pod
 
 BLOCK = 16

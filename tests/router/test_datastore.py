@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from kvflow.router import Router, load_config
 from kvflow.router.datastore import Datastore
 from kvflow.router.model import EngineMetrics, LoadCounter

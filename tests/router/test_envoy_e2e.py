@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvflow.procs import Child, ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import Child, ProcessGroup, free_port, kvflow_argv
 from kvflow.router.envoy_config import Listener, envoy_binary, render
 from kvflow.endpoints import Endpoint
 

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvflow import certs
 from kvflow.endpoints import Endpoint
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from kvflow.router.envoy_config import Listener, envoy_binary, render
 
 MODEL = "sim-model"

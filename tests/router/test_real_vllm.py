@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvflow.procs import ProcessGroup, free_port
+from kvflow.local.procs import ProcessGroup, free_port
 from kvflow.router import Router, SchedulingRequest, load_config
 
 pytestmark = [
@@ -22,7 +22,7 @@ BLOCK = 32
 
 @pytest.mark.timeout(600)
 async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
-    from kvflow.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
+    from kvflow.local.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
     from kvflow.tokenizer import load_tokenizer
 
     model = ensure_tiny_model()

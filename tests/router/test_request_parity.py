@@ -18,7 +18,7 @@ import yaml
 from kvflow.endpoints import Endpoint
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.server import start_gateway
-from kvflow.procs import ProcessGroup, free_port, kvflow_argv
+from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from kvflow.router import Router, load_config
 from kvflow.router.envoy_config import Listener, envoy_binary, render
 

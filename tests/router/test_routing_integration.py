@@ -16,7 +16,7 @@ import pytest
 from kvbench.loadtest import Outcome, Workload, run
 from kvbench.pods import Pod, reset, router_config, start_pods
 
-from kvflow.procs import ProcessGroup
+from kvflow.local.procs import ProcessGroup
 from kvflow.router import Router, load_config
 
 

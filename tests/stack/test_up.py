@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvflow.procs import free_port
+from kvflow.local.procs import free_port
 
 
 def pids_with(text: str) -> list[int]:

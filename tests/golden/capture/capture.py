@@ -18,7 +18,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]
 import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
-from kvflow import realvllm as r  # noqa: E402
+from kvflow.local import realvllm as r  # noqa: E402
 
 out_dir, algo, seed, port, evport = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 full = "--full" in sys.argv

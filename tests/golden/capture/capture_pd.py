@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
-from kvflow import realvllm as r  # noqa: E402
+from kvflow.local import realvllm as r  # noqa: E402
 
 out_dir = sys.argv[1]
 os.makedirs(out_dir, exist_ok=True)

@@ -3,7 +3,7 @@
 usage: python tests/golden/capture/capture_text.py OUT.json [PORT EVPORT]
 
 Run with the main venv's python (it needs pyzmq and msgspec only; vLLM runs from its own venv
-through kvflow.realvllm). The golden file pins what a router must compute from the prompt text
+through kvflow.local.realvllm). The golden file pins what a router must compute from the prompt text
 alone: it holds no token ids, only the request bodies and the block hashes vLLM published, so a
 router with a different tokenizer cannot match them.
 """
@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from kvflow import realvllm as r  # noqa: E402
+from kvflow.local import realvllm as r  # noqa: E402
 
 out = Path(sys.argv[1])
 port = int(sys.argv[2]) if len(sys.argv) > 2 else 18721

