@@ -1,5 +1,5 @@
-"""kvflow's OpenAI-compatible gateway: the embedded default in front of the router, and the
-decode pod's P/D sidecar when Envoy routes.
+"""kvflow's OpenAI-compatible gateway: the embedded default in front of the router; its HTTP
+edge also carries the decode pod's P/D sidecar (``kvflow.sidecar``) when Envoy routes.
 
     config = GatewayConfig(port=8080, pools=[PoolConfig(model="m", endpoints=["127.0.0.2:8000"])])
     await serve(config)                          # until cancelled
@@ -7,7 +7,7 @@ decode pod's P/D sidecar when Envoy routes.
 
 Modules: ``app`` (routes, the one error/metrics/access-log edge), ``proxy`` (attempts, retries,
 stream pass-through), ``pd`` (the NixlConnector protocol), ``flow`` (queues, priorities, rate
-limits), ``auth``, ``metrics``, ``sidecar`` (with ``allowlist``: the prefill pods it trusts),
+limits), ``auth``, ``metrics``, ``allowlist`` (the prefill pods the P/D sidecar, ``kvflow.sidecar``, trusts),
 ``body`` (client JSON and P/D fields at the trust boundary), ``httpserver``/``http1`` (the
 HTTP/1.1 server, with its limits and timeouts, and client of the data path), ``config``, ``cli``.
 """

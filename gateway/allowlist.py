@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from kvflow.endpoints import parse_host_port
 
-log = logging.getLogger("kvflow.gateway.sidecar")
+log = logging.getLogger("kvflow.sidecar")
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _DNS_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 

@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.workers > 1 and not is_worker():
         return supervise(list(argv if argv is not None else sys.argv[2:]), config.workers)
     if args.sidecar:
-        from kvflow.gateway.sidecar import serve_sidecar
+        from kvflow.sidecar.server import serve_sidecar
 
         run(serve_sidecar(config, args.upstream))
     else:

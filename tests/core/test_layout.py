@@ -18,7 +18,7 @@ def test_stdlib_operator_is_not_shadowed_from_the_repository_root():
     assert not out.strip().startswith(str(ROOT))
 
 
-@pytest.mark.parametrize("folder", ["operator", "gateway", "router", "sim", "beam"])
+@pytest.mark.parametrize("folder", ["operator", "gateway", "router", "sim", "sidecar", "beam"])
 def test_components_live_in_top_level_folders(folder):
     link = ROOT / "kvflow" / folder
     assert link.is_symlink() and link.resolve() == (ROOT / folder).resolve()
@@ -47,7 +47,7 @@ def test_core_does_not_import_components():
 def test_no_module_shares_a_name_with_the_standard_library():
     clashes = [
         str(path.relative_to(ROOT))
-        for folder in ("kvflow", "sim", "router", "gateway", "operator", "beam")
+        for folder in ("kvflow", "sim", "router", "gateway", "operator", "sidecar", "beam")
         for path in (ROOT / folder).rglob("*.py")
         if path.stem in sys.stdlib_module_names
     ]

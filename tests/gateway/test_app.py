@@ -273,7 +273,7 @@ async def test_the_openai_client_works(start) -> None:  # type: ignore[no-untype
 
 async def test_sidecar_runs_prefill_named_by_the_header_then_decodes_locally(stacks) -> None:  # type: ignore[no-untyped-def]
     from kvflow.gateway.server import listen
-    from kvflow.gateway.sidecar import Sidecar
+    from kvflow.sidecar.server import Sidecar
 
     local, prefiller = FakePod("local"), FakePod("prefill")
     await local.start("127.0.0.2")

@@ -288,7 +288,7 @@ async def sidecar_for() -> AsyncIterator[Any]:
     """A sidecar in front of a fake local pod, with a fake prefill pod at 127.0.0.9."""
     from kvflow.gateway.config import GatewayConfig
     from kvflow.gateway.server import limits_of, listen
-    from kvflow.gateway.sidecar import Sidecar
+    from kvflow.sidecar.server import Sidecar
     from tests.gateway.fakes import FakePod
 
     started: list[Any] = []

@@ -36,7 +36,7 @@ from kvflow.endpoints import Endpoint, parse_host_port
 from kvflow.routing_headers import PREFILLER, strip_client_routing
 
 PREFILLER_HEADER = PREFILLER
-log = logging.getLogger("kvflow.gateway.sidecar")
+log = logging.getLogger("kvflow.sidecar")
 _GENERATE = frozenset({"/v1/completions", "/v1/chat/completions"})
 _HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect"})
 
