@@ -23,7 +23,7 @@ RUN --mount=type=secret,id=pip-ca --mount=type=cache,target=/root/.cache/pip \
         > /tmp/requirements.txt \
     && /opt/pip/bin/pip --python /opt/kvflow/bin/python install -r /tmp/requirements.txt
 # Then kvflow itself (.dockerignore lets in only pyproject, README and the package folders;
-# kvflow/ links the component folders in, and the wheel follows the links).
+# pyproject's package-dir maps each component folder to kvflow.<name>).
 COPY . /src/
 RUN --mount=type=secret,id=pip-ca --mount=type=cache,target=/root/.cache/pip \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \

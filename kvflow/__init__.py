@@ -3,12 +3,12 @@
 The shared core lives here (API types, block hashing, tokenizers, errors, OpenAI schemas);
 the components are subpackages whose code sits in the repository's top-level folders:
 
-    kvflow.sim       -> sim/       a vLLM-compatible model-server simulator
-    kvflow.router    -> router/    the endpoint picker (scheduler, KV events, Envoy ext_proc)
-    kvflow.gateway   -> gateway/   the OpenAI-compatible front door and P/D orchestrator
-    kvflow.operator  -> operator/  the kopf operator, renderers for Kubernetes objects
-    kvflow.sidecar   -> sidecar/   the decode pod's P/D routing sidecar (``kvflow gateway --sidecar``)
-    kvflow.beam      -> beam/      Apache Beam RunInference handlers (the ``beam`` extra)
+    kvflow.sim       -> sim/            a vLLM-compatible model-server simulator
+    kvflow.router    -> router/         the endpoint picker (scheduler, KV events, Envoy ext_proc)
+    kvflow.gateway   -> gateway/        the OpenAI-compatible front door and P/D orchestrator
+    kvflow.sidecar   -> sidecar/        the decode pod's P/D routing sidecar (``kvflow gateway --sidecar``)
+    kvflow.operator  -> kube_operator/  the kopf operator, renderers for Kubernetes objects
+    kvflow.beam      -> beam/           Apache Beam RunInference handlers (the ``beam`` extra)
 
 pyproject.toml maps them (setuptools ``package-dir``). ``kvflow.local`` holds the dev and
 local-stack tooling (``kvflow up``, ``kvflow bench``, child processes). Components depend on the

@@ -70,7 +70,7 @@ ensure_base() {
 # annotation, so an unchanged tree needs no build at all.
 source_hash() {
   { printf '%s\n' "$BASE" "$VERSION"
-    find Dockerfile .dockerignore pyproject.toml README.md kvflow operator router gateway sim sidecar -type f \
+    find Dockerfile .dockerignore pyproject.toml README.md kvflow kube_operator router gateway sim sidecar beam -type f \
       -not -path '*/__pycache__/*' -not -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum
   } | sha256sum | cut -c1-16
 }
