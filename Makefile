@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NIXL   := nixl-cu12==1.5.1 nixl==1.5.1
 ARGS   ?=
 
-.PHONY: up test install bench clean image push
+.PHONY: up test lint install bench clean image push
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,17 @@ install: $(STAMP)
 up: $(STAMP)
 	$(BIN)/kvflow up $(ARGS)
 
-## Run the test suite (conformance against real vLLM too with KVFLOW_REAL_VLLM=1).
-test: $(STAMP)
+## Run the linters, then the test suite (conformance against real vLLM too with KVFLOW_REAL_VLLM=1).
+test: lint
 	$(BIN)/python -m pytest $(ARGS)
+
+## ruff, mypy (strict on the modules pyproject lists) and the import-linter contracts. mypy and
+## import-linter read build/pkgview: the installed layout (kvflow.router, ...) linked to the sources.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m kvflow.local.pkgview build/pkgview
+	$(BIN)/mypy
+	cd build/pkgview && ../../$(BIN)/lint-imports --config ../../pyproject.toml --no-cache
 
 ## Build the container image (localhost/kvflow:dev, and -nixl) with buildah from a local Debian
 ## base; export build/kvflow-image.oci.tar. Installs buildah and mmdebstrap if missing.

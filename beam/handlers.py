@@ -128,7 +128,7 @@ class KvflowChatModelHandler(_KvflowModelHandler[Sequence[Any]]):
 
     async def _request(self, client: openai.AsyncOpenAI, model: str, example: Sequence[Any],
                        args: dict[str, Any]) -> Any:
-        messages = [dict(m) if isinstance(m, Mapping) else {"role": m.role, "content": m.content} for m in example]
+        messages: list[Any] = [dict(m) if isinstance(m, Mapping) else {"role": m.role, "content": m.content} for m in example]
         return await client.chat.completions.create(model=model, messages=messages, **args)
 
 

@@ -33,13 +33,11 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,7 +237,7 @@ async def idle_part(args: argparse.Namespace, tmp: Path) -> tuple[list[tuple[str
             plain: list[tuple[list[float], int]] = []
             kvflow_rates, plain_rates = [], []
             for round_ in range(args.rounds):  # interleaved, so drift on a shared machine hits all three
-                def trace(kind: int) -> Trace:
+                def trace(kind: int, round_: int = round_) -> Trace:
                     return interactive(args.rate, args.duration, seed=7, text_seed=1000 * kind + round_)
 
                 alone.append(await latency(url, trace(1)))

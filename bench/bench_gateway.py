@@ -102,7 +102,7 @@ def ensure_peers() -> Path:
 def wrk(url: str, hosts: list[str], *, connections: int, seconds: float) -> dict[str, float]:
     """``hosts`` are HOST:PORT; wrk's threads are spread over them."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        pairs = ", ".join('{"%s", "%s"}' % tuple(h.rsplit(":", 1)) for h in hosts)
+        pairs = ", ".join(f'{{"{host}", "{port}"}}' for host, port in (h.rsplit(":", 1) for h in hosts))
         f.write(WRK_SCRIPT % (BODY, pairs))
     threads = max(1, min(connections, len(hosts)))
     out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", f.name, url],

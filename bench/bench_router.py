@@ -139,7 +139,7 @@ def decision(n_endpoints: int, blocks: int, n_tokens: int, repeat: int) -> Decis
             plain_hashes(tokens)
             row.plain.append(time.thread_time() - t)
         t = time.thread_time()
-        router.fingerprinter.prompt(tokens).array
+        _ = router.fingerprinter.prompt(tokens).array
         row.fingerprints.append(time.thread_time() - t)
         fingerprints = router.fingerprinter.prompt(tokens).array
         t = time.thread_time()

@@ -29,10 +29,8 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -169,7 +167,7 @@ def quality_table(duration: float, seeds: int) -> tuple[list[str], dict[str, dic
     figures: dict[str, dict[str, float]] = {}
     for name in ("a", "b", "c"):
         w = workloads.WORKLOADS[name]
-        rate = oracle.saturation_rate(lambda r, d: w.trace(r, d), duration, pods=w.decode_pods, profile=profile,
+        rate = oracle.saturation_rate(lambda r, d, w=w: w.trace(r, d), duration, pods=w.decode_pods, profile=profile,
                                       num_blocks=w.num_blocks)
         got: dict[str, list[tuple[float, float]]] = {"default": [], "old": []}
         for seed in range(seeds):

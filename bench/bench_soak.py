@@ -123,7 +123,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, counts: Counts, 
                 counts.error(f"stream_status_{r.status}")
                 return
             text = (await r.read()).decode(errors="replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         if stream:
             counts.streams_cut += 1
         else:
@@ -143,7 +143,7 @@ async def load(url: str, rate: float, seconds: float, counts: Counts) -> None:
         tasks: set[asyncio.Task[None]] = set()
         start = time.monotonic()
         n = 0
-        while (now := time.monotonic()) - start < seconds:
+        while time.monotonic() - start < seconds:
             task = asyncio.ensure_future(one_request(session, url, counts, stream=n % 2 == 1, n=n))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -157,7 +157,7 @@ async def health_ok(session: aiohttp.ClientSession, url: str) -> bool:
     try:
         async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=0.5)) as r:
             return r.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return False
 
 
@@ -166,7 +166,7 @@ async def requests_seen(session: aiohttp.ClientSession, url: str) -> float:
     try:
         async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=1)) as r:
             text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:prompt_tokens_total"))
@@ -177,7 +177,7 @@ async def routable(session: aiohttp.ClientSession, gateway: str, pod: str) -> bo
     try:
         async with session.get(gateway + "/metrics", timeout=aiohttp.ClientTimeout(total=1)) as r:
             text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return False
     return any(line.startswith("kvflow_router_endpoint_healthy{") and needle in line and line.endswith(" 1.0")
                for line in text.splitlines())

@@ -200,7 +200,7 @@ class Gateway:
         model = body.get("model")
         if model is None and len(self.pools) == 1:
             model = next(iter(self.pools))  # as vLLM answers with its one model when none is named
-        found = self.names.get(model)
+        found = self.names.get(model) if isinstance(model, str) else None
         if found is None:
             raise ModelNotFoundError(str(model))
         pool, lora = found

@@ -87,7 +87,7 @@ def _translate(tp: Any, metadata: list[Any] | None = None) -> Any:
 
 
 def _union(arms: list[Any]) -> Any:
-    union = typing.Union[tuple(arms)]  # noqa: UP007 - built from a list
+    union: Any = typing.Union[tuple(arms)]  # noqa: UP007 - built from a list
     try:
         msgspec.inspect.type_info(union)  # msgspec refuses ambiguous unions (two list types, ...)
     except TypeError as exc:
@@ -115,7 +115,8 @@ def _generate(model: type[BaseModel]) -> tuple[type[msgspec.Struct], frozenset[s
             try:
                 tp = _translate(info.annotation, list(info.metadata))
             except _Untranslatable:
-                tp, _ = Any, slow.add(name)
+                tp = Any
+                slow.add(name)
             if info.is_required():
                 fields.append((name, tp, msgspec.NODEFAULT))
             else:

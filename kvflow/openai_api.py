@@ -125,7 +125,7 @@ def decode_json(raw: bytes) -> dict[str, Any]:
         raise RequestValidationError.from_errors([err]) from None
     if not isinstance(body, dict):
         raise _not_an_object(body)
-    return body  # type: ignore[no-any-return]
+    return body
 
 
 def _not_an_object(body: Any) -> RequestValidationError:

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jinja2.ext
 import jinja2.sandbox
@@ -227,7 +227,7 @@ class HFTokenizer:
         self.max_chars_per_token = max((len(t) for t in vocab), default=1)  # vLLM's bound for text length
         config = _read_json(folder / "tokenizer_config.json")
         self.chat_template = config.get("chat_template") or CHATML
-        self.special_tokens = {k: text for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        self.special_tokens: Mapping[str, str] = {k: text for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                                if (text := _token_text(config.get(k)))}
         eos = self._tok.token_to_id(self.special_tokens.get("eos_token", ""))
         self.eos_token_id = eos if eos is not None else 0
@@ -248,8 +248,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _token_text(token: Any) -> str | None:
     if isinstance(token, dict):
-        return token.get("content")
-    return token
+        return cast("str | None", token.get("content"))
+    return cast("str | None", token)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:

@@ -104,7 +104,7 @@ def _json(data: Any) -> str:
 
 def _route(path: str, method: str, action: dict[str, Any], *, destination: bool = False,
            ext_proc: bool = True) -> dict[str, Any]:
-    headers = [{"name": ":method", "string_match": {"exact": method}}]
+    headers: list[dict[str, Any]] = [{"name": ":method", "string_match": {"exact": method}}]
     if destination:
         headers.append({"name": DESTINATION_HEADER, "present_match": True})
     route: dict[str, Any] = {"match": {"path": path, "headers": headers}, **action}

@@ -61,7 +61,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = x * np.uint64(0xBF58476D1CE4E5B9)
     x = x ^ (x >> np.uint64(27))
     x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
 
 def request_keys(lora: str | None, cache_salt: str | None, media: Sequence[str] = ()) -> tuple[BlockKey, BlockKey]:
@@ -148,7 +149,7 @@ class Fingerprinter:
             self._grow(n)
         acc = np.cumsum(mixes * self._inverse_powers[:n], dtype=np.uint64)
         acc += np.uint64((parent * self._k) & MASK)
-        return acc * self._powers[:n]  # type: ignore[no-any-return]
+        return acc * self._powers[:n]
 
     def stored(self, parent: int, token_ids: Sequence[int], keys: Sequence[BlockKey] | None) -> list[int]:
         """The fingerprints of an event's blocks (``token_ids``: theirs, block after block),
@@ -198,7 +199,7 @@ def _powers_of(x: int, n: int) -> np.ndarray:
     """``x**0 .. x**(n-1)`` mod 2**64."""
     out = np.full(n, x, np.uint64)
     out[0] = 1
-    return np.multiply.accumulate(out, dtype=np.uint64)  # type: ignore[no-any-return]
+    return np.multiply.accumulate(out, dtype=np.uint64)
 
 
 class PromptFingerprints:

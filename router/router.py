@@ -51,7 +51,7 @@ def _matches(cycle: Cycle) -> Mapping[EndpointId, int]:
     for kind in ("precise", "approx"):
         found = cycle.data.get(f"prefix:{kind}")
         if found is not None:
-            return found  # type: ignore[no-any-return]
+            return found
     return {}
 
 

@@ -98,7 +98,7 @@ class Scraper:
                 if resp.status != 200:
                     return None
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
             return None
         metrics = parse_metrics(text)
         if metrics.rejected:

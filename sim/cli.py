@@ -140,7 +140,7 @@ def _tokenizer_path(args: argparse.Namespace) -> str | None:
     """--tokenizer, else the model folder when --model is one (as vLLM loads it), else built-in."""
     if args.tokenizer is None and (Path(args.model) / "tokenizer.json").is_file():
         return str(args.model)
-    return args.tokenizer  # type: ignore[no-any-return]
+    return args.tokenizer
 
 
 def _scheduler(args: argparse.Namespace, profile: Profile, sampler: Sampler) -> Scheduler:
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         runner = asyncio.run
     else:
-        runner = uvloop.run  # type: ignore[assignment]
+        runner = uvloop.run
     try:
         runner(serve(args))
     except (ValueError, OSError, FileNotFoundError) as exc:

@@ -95,7 +95,7 @@ async def run(url: str, trace: Trace, *, model: str, timeout: float = 120.0) -> 
                         res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                         return
                     text = await _stream(resp, res, t0)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 res.error = f"{type(exc).__name__}: {exc}"[:200]
                 return
             if res.tokens != req.max_tokens:

@@ -117,7 +117,7 @@ def multi_turn(rate: float, duration: float, seed: int = 0, *, turns: int = 5, s
     for s, start in enumerate(_poisson(arrivals, rate / turns, duration)):
         history = prompts[arrivals.randrange(systems)]
         previous: int | None = None
-        for turn in range(turns):
+        for _ in range(turns):
             i = len(requests)
             prompt = f"{history} {_words(arrivals, arrivals.randint(*user_len))}"
             at = start if previous is None else arrivals.expovariate(1 / think_s)

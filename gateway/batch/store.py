@@ -245,7 +245,7 @@ class Store:
             status = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if status is None or status[0] != Status.IN_PROGRESS:
                 return []
-            rows = []
+            rows: list[Any] = []
             for where in ("state = 1 AND lease_until < :now", "state = 0 AND not_before <= :now"):
                 if len(rows) >= n:
                     break

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 
 from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPodFactory

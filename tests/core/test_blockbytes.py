@@ -17,7 +17,6 @@ from kvflow.hashing import (
     chain_hashes,
     external_int,
     hash_fn,
-    hash_request_tokens,
     none_hash,
     to_external,
     unpack_external,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvflow.gateway.body import scrub_answer
-from tests.gateway.test_app import COMPLETION, MODEL, Stack, make_stack
+from tests.gateway.test_app import COMPLETION, Stack, make_stack
 
 FAST = {"http": {"header_timeout": 0.3, "body_timeout": 0.3, "keep_alive_timeout": 0.3, "write_timeout": 0.3}}
 BODY = json.dumps(COMPLETION).encode()

@@ -1,5 +1,7 @@
 """Merge capture runs into tests/golden/: python merge.py CAPTURE_DIR [OUT_DIR]."""
-import json, os, sys
+import json
+import os
+import sys
 SRC = sys.argv[1] if len(sys.argv) > 1 else "."
 OUT = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 runs = []
