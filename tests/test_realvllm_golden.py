@@ -222,12 +222,13 @@ def test_metric_labels() -> None:
 
 
 def test_router_scraper_reads_a_real_scrape() -> None:
-    from kvflow.router import metrics_scrape as scrape
+    from kvflow.protocol import vllm_metrics as scrape
 
     metrics = scrape.parse_metrics(METRICS)
     assert (metrics.running, metrics.waiting, metrics.kv_usage) == (0, 0, 0.0)
     assert (metrics.prefix_queries, metrics.prefix_hits) == (1949.0, 256.0)
     assert (metrics.block_size, metrics.num_blocks) == (32, 48)
+    assert metrics.generated_tokens == 68.0  # the operator's stuck-engine check reads this one
 
 
 def test_error_shapes() -> None:

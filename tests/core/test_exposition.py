@@ -7,7 +7,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvflow.sim.exposition import Counter, Gauge, Histogram, Registry, Summary
+from kvflow.exposition import Counter, Gauge, Histogram, Registry, Summary
 
 TRICKY = ["plain", 'quo"te', "back\\slash", "new\nline", "ünïcode", ""]
 
