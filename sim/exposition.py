@@ -290,7 +290,7 @@ AnyFamily = Family[CounterChild] | Family[GaugeChild] | Family[HistogramChild] |
 
 
 class Renderable(Protocol):
-    """A group of families rendered on the fast path (``kvflow.sim.nixl_metrics.NixlMetrics``)."""
+    """A group of families rendered on the fast path (``kvflow.sim.nixl.metrics.NixlMetrics``)."""
 
     def render(self) -> str: ...
 
