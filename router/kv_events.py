@@ -7,7 +7,9 @@ per batch: ``[topic, seq (8-byte big-endian), payload]``. The payload is msgpack
 ``BlockRemoved``, ``AllBlocksCleared``), as vLLM 0.32 sends them (docs/vllm-protocols.md).
 Older vLLM versions made events ``array_like`` too (``["BlockStored", hashes, parent, ...]``);
 both decode, and unknown extra fields are ignored. Hashes arrive as ints (the default) or as
-32-byte digests; both become the int form ``kvflow.hashing.to_external`` gives.
+32-byte digests; both become the int form ``kvflow.hashing.to_external`` gives. The schema and
+its validating decoder (``decode_batch``, ``BadEvent``) are ``kvflow.protocol.kv_events``, the
+definition the simulator encodes with; this module subscribes and applies.
 
 The index is keyed by the router's own fingerprints (``fingerprint.py``), not by vLLM's
 hashes: ``apply`` fingerprints each stored block from its tokens and extra keys, chained on

