@@ -161,13 +161,13 @@ def test_hashes_are_published_as_uint64() -> None:
 
 
 def test_sim_codec_reencodes_real_payloads_byte_for_byte() -> None:
-    from kvflow.sim import events
+    from kvflow.protocol.kv_events import decode_structs
 
     encoder = msgspec.msgpack.Encoder()
     for run in RUNS:
         for frame in run["frames"]:
             payload = bytes.fromhex(frame["payload_hex"])
-            assert encoder.encode(events.decode_batch(payload)) == payload
+            assert encoder.encode(decode_structs(payload)) == payload
 
 
 def test_router_decodes_real_payloads() -> None:

@@ -6,6 +6,8 @@ validates them, so a simulator that writes a format and a router that reads it c
 apart, and a vLLM release that changes a format changes one module (and the golden captures in
 ``tests/golden/`` that pin it).
 
+    kv_events      vLLM's ZMQ KV-cache events: the msgspec wire structs, the encoder the simulator
+                   publishes with, the validating decoder the router reads with
     kv_transfer    ``kv_transfer_params``: vLLM 0.32 NixlConnector's P/D fields (router, prefill, decode)
     vllm_metrics   vLLM's ``/metrics``: the families kvflow reads, one validating parser, one fetch
 
