@@ -54,8 +54,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvflow.local.procs import ProcessGroup, kvflow_argv
-from kvflow.sim.nixl_agent import NixlAgent, ProgressConfig, map_buffer
-from kvflow.sim.nixl_layout import (
+from kvflow.protocol.kv_transfer import remote_decode_request
+from kvflow.sim.nixl.agent import NixlAgent, ProgressConfig, map_buffer
+from kvflow.sim.nixl.layout import (
     MODEL_SHAPES,
     KVLayout,
     as_regions,
@@ -305,7 +306,7 @@ def post(url: str, body: dict[str, object]) -> dict[str, object]:
 
 def pd_request(prefill: str, decode: str, prompt: str) -> None:
     first = post(prefill + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 1,
-                                               "kv_transfer_params": {"do_remote_decode": True}})
+                                               "kv_transfer_params": remote_decode_request()})
     post(decode + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 2,
                                       "kv_transfer_params": first["kv_transfer_params"]})
 
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="per-row statistic; min resists noisy neighbours on a shared machine")
     args = parser.parse_args(argv)
-    logging.getLogger("kvflow.sim.nixl_agent").setLevel(logging.ERROR)  # slow-call notes would garble the table
+    logging.getLogger("kvflow.sim.nixl.agent").setLevel(logging.ERROR)  # slow-call notes would garble the table
     if args.idle:
         measure_idle(args.seconds)
         return 0

@@ -61,7 +61,7 @@ from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.block_table import BlockTable
 from kvflow.router.kv_events import BlockRemoved, BlockStored, KvEvent, apply, decode_batch
 from kvflow.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
-from kvflow.sim import events as wire
+from kvflow.protocol import kv_events as wire
 
 PROFILES = ("round-robin", "least-load", "prefix-approx", "prefix-precise", "default")
 GRID = [(4, 10_000), (64, 10_000), (64, 100_000), (64, 1_000_000), (256, 1_000_000), (1000, 1_000_000)]
@@ -187,13 +187,13 @@ def ingest(blocks_per_event: int, total: int, peer: bool = False) -> tuple[list[
     stored, removed = [], []
     for start in range(0, total, blocks_per_event):
         end = min(total, start + blocks_per_event)
-        event = wire.BlockStored(
+        event = wire.WireBlockStored(
             block_hashes=hashes[start:end], parent_block_hash=hashes[start - 1] if start else None,
             token_ids=tokens[16 * start : 16 * end], block_size=16, lora_id=None, medium="GPU", lora_name=None,
             extra_keys=[None] * (end - start), group_idx=0, kv_cache_spec_kind="full_attention",
         )
         stored.append((end - start, wire.encode_batch([event], ts=1.0)))
-        removed.append((end - start, wire.encode_batch([wire.BlockRemoved(hashes[start:end], "GPU", 0)], ts=1.0)))
+        removed.append((end - start, wire.encode_batch([wire.WireBlockRemoved(hashes[start:end], "GPU", 0)], ts=1.0)))
     samples: tuple[list[float], list[float]] = ([], [])
     for out, payloads in zip(samples, (stored, removed)):
         for at in range(0, len(payloads), 64):

@@ -1,19 +1,21 @@
-"""The gateway's Prometheus metrics.
+"""The gateway's Prometheus metrics, on the fast exposition path the simulator uses.
 
-Counts live in plain dicts and lists and become metric families only when ``/metrics`` is
-scraped: the hot path pays a dict update or a ``bisect`` per observation, not
-prometheus_client's per-sample locks and label resolution. One ``GatewayMetrics`` per gateway
-(tests run several in one process); ``render`` joins in the pool routers' registries.
+The families are ``kvflow.exposition``'s: an observation is a ``bisect`` or an addition on
+a child looked up once per model (no per-sample lock or label resolution on the hot path), and
+``/metrics`` renders from prefixes written when each series was created. The same families are a
+prometheus_client collector, and ``tests/gateway/test_metrics.py`` checks that
+``generate_latest`` renders them byte for byte as the fast path does. One ``GatewayMetrics`` per
+gateway (tests run several in one process); ``render`` adds the pool routers' registries.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Metric, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvflow.exposition import Counter, Gauge, GaugeChild, Histogram, HistogramChild, Registry
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -21,127 +23,64 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
 
-class Histogram:
-    """One labelled histogram child: counts per bucket (the last is +Inf) and the sum."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
-            running += count
-            out.append((bound, float(running)))
-        return out
-
-
-class Gauge:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
-
-class Counter:
-    """Counts by label values."""
-
-    __slots__ = ("name", "doc", "labels", "values")
-
-    def __init__(self, name: str, doc: str, labels: tuple[str, ...]) -> None:
-        self.name, self.doc, self.labels = name, doc, labels
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def family(self) -> Metric:
-        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
-        for values, count in sorted(self.values.items()):
-            family.add_metric(list(values), count)
-        return family
-
-
 class ModelMetrics:
-    """Everything recorded per model."""
+    """Everything recorded per model: its series in each per-model family."""
 
-    __slots__ = ("ttft", "itl", "e2e", "inflight", "queued")
+    __slots__ = ("e2e", "inflight", "itl", "queued", "ttft")
 
-    def __init__(self) -> None:
-        self.ttft = Histogram(LATENCY_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(LATENCY_BUCKETS)
-        self.inflight = Gauge()
-        self.queued = Gauge()
-
-
-_HISTOGRAMS = (
-    ("ttft", "kvflow_gateway_time_to_first_token_seconds", "Time to first streamed token."),
-    ("itl", "kvflow_gateway_inter_token_latency_seconds", "Time between streamed chunks."),
-    ("e2e", "kvflow_gateway_request_duration_seconds", "End-to-end request latency."),
-)
-_GAUGES = (
-    ("inflight", "kvflow_gateway_inflight_requests", "Requests being served."),
-    ("queued", "kvflow_gateway_queued_requests", "Requests waiting for a slot."),
-)
+    def __init__(self, ttft: HistogramChild, itl: HistogramChild, e2e: HistogramChild, inflight: GaugeChild,
+                 queued: GaugeChild) -> None:
+        self.ttft, self.itl, self.e2e, self.inflight, self.queued = ttft, itl, e2e, inflight, queued
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.requests = Counter("kvflow_gateway_requests", "Requests answered, by HTTP status.", ("model", "status"))
-        self.retries = Counter("kvflow_gateway_retries", "Requests re-sent to another pod.", ("model", "reason"))
+        self.registry = r = Registry()
+        by_model = ["model"]
+        self._ttft = Histogram("kvflow_gateway_time_to_first_token_seconds", "Time to first streamed token.",
+                               by_model, buckets=LATENCY_BUCKETS, registry=r)
+        self._itl = Histogram("kvflow_gateway_inter_token_latency_seconds", "Time between streamed chunks.",
+                              by_model, buckets=ITL_BUCKETS, registry=r)
+        self._e2e = Histogram("kvflow_gateway_request_duration_seconds", "End-to-end request latency.",
+                              by_model, buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("kvflow_gateway_requests", "Requests answered, by HTTP status.", ["model", "status"],
+                                registry=r)
+        self.retries = Counter("kvflow_gateway_retries", "Requests re-sent to another pod.", ["model", "reason"],
+                               registry=r)
         self.mode = Counter("kvflow_gateway_routed", "Requests routed, by serving mode (pd or aggregated).",
-                            ("model", "mode"))
-        self.failures = Counter("kvflow_gateway_failures", "Failures, by kind.", ("model", "reason"))
+                            ["model", "mode"], registry=r)
+        self.failures = Counter("kvflow_gateway_failures", "Failures, by kind.", ["model", "reason"], registry=r)
+        self._refusals = Counter("kvflow_gateway_http_refusals", "Client connections closed or requests refused by "
+                                 "the HTTP limits (timeouts, sizes, connection cap), by reason.", ["reason"],
+                                 registry=r)
+        self._inflight = Gauge("kvflow_gateway_inflight_requests", "Requests being served.", by_model, registry=r)
+        self._queued = Gauge("kvflow_gateway_queued_requests", "Requests waiting for a slot.", by_model, registry=r)
         self.http_refusals: dict[str, int] = {}
-        """The HTTP server's own: connections closed and requests refused by its limits, by reason."""
+        """The HTTP server's own counts (connections closed and requests refused by its limits, by
+        reason), read into ``kvflow_gateway_http_refusals`` when rendered."""
         self._models: dict[str, ModelMetrics] = {}
-        self.registry = CollectorRegistry()
-        self.registry.register(self)  # type: ignore[arg-type]
 
     def model(self, name: str) -> ModelMetrics:
         found = self._models.get(name)
         if found is None:
-            found = self._models[name] = ModelMetrics()
+            found = self._models[name] = ModelMetrics(self._ttft.labels(name), self._itl.labels(name),
+                                                      self._e2e.labels(name), self._inflight.labels(name),
+                                                      self._queued.labels(name))
         return found
 
     @staticmethod
     def count(counter: Counter, *labels: str) -> None:
-        counter.values[labels] = counter.values.get(labels, 0.0) + 1.0
-
-    def collect(self) -> Iterator[Metric]:
-        """prometheus_client's collector protocol: called when the registry is rendered."""
-        models = sorted(self._models.items())
-        for attr, name, doc in _HISTOGRAMS:
-            family = HistogramMetricFamily(name, doc, labels=["model"])
-            for model, m in models:
-                histogram: Histogram = getattr(m, attr)
-                family.add_metric([model], histogram.cumulative(), histogram.total)
-            yield family
-        for counter in (self.requests, self.retries, self.mode, self.failures):
-            yield counter.family()
-        refusals = CounterMetricFamily("kvflow_gateway_http_refusals", "Client connections closed or requests "
-                                       "refused by the HTTP limits (timeouts, sizes, connection cap), by reason.",
-                                       labels=["reason"])
-        for reason, n in sorted(self.http_refusals.items()):
-            refusals.add_metric([reason], n)
-        yield refusals
-        for attr, name, doc in _GAUGES:
-            gauge = GaugeMetricFamily(name, doc, labels=["model"])
-            for model, m in models:
-                gauge.add_metric([model], getattr(m, attr).value)
-            yield gauge
+        counter.labels(*labels).inc()
 
     def render(self, others: Iterable[CollectorRegistry] = ()) -> bytes:
-        """This registry's metrics and, merged family by family, those of ``others`` (the routers')."""
-        return generate_latest(_Merged([self.registry, *others]))  # type: ignore[arg-type]
+        """This gateway's metrics and, merged family by family, those of ``others`` (the routers')."""
+        for reason, n in self.http_refusals.items():  # the server's own counts, which only grow
+            child = self._refusals.labels(reason)
+            if n > child.value:
+                child.inc(n - child.value)
+        routers = list(others)
+        body = self.registry.render().encode()
+        return body + generate_latest(_Merged(routers)) if routers else body  # type: ignore[arg-type]
 
 
 class _Merged:

@@ -7,9 +7,11 @@
 2. The decode pod gets the original request plus those ``kv_transfer_params``; it pulls the
    blocks over NIXL and generates, streaming as the client asked.
 
-The two builders are pure; ``prefill`` is the one I/O step. Both requests carry the same
-``X-Request-Id``. A prefill that fails is not fatal: the decode pod then computes the prompt
-itself (aggregated), which costs time but drops nothing.
+The fields are ``kvflow.protocol.kv_transfer``'s. The two builders are pure; ``prefill`` is the
+one I/O step. Both requests carry the same ``X-Request-Id``. A prefill that fails is not fatal:
+the decode pod then computes the prompt itself (aggregated), which costs time but drops nothing.
+A prefill pod's params that a decode pod could not pull with (a field of the wrong type or
+missing) are such a failure (``prefill_bad_params``): they are not forwarded.
 """
 
 from __future__ import annotations
@@ -18,17 +20,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvflow.gateway.proxy import AttemptFailed, Upstream
 from kvflow.endpoints import Endpoint
+from kvflow.gateway.proxy import AttemptFailed, Upstream
+from kvflow.protocol.kv_transfer import InvalidKvTransferParams, parse_prefill_answer, remote_decode_request
 
-PREFILL_KV_PARAMS: Mapping[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_KV_PARAMS: Mapping[str, Any] = remote_decode_request()
 
 # Sampling limits a one-token prefill cannot honour; the decode request keeps them.
 _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -56,13 +52,17 @@ def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] |
 
 
 def kv_params_of(response_body: bytes) -> dict[str, Any] | None:
-    """``kv_transfer_params`` from a prefill pod's JSON answer, if it sent any."""
+    """``kv_transfer_params`` from a prefill pod's JSON answer, as sent, if it sent any;
+    ``InvalidKvTransferParams`` if a decode pod could not pull with them."""
     try:
         data = json.loads(response_body)
     except ValueError:
         return None
     params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-    return params if isinstance(params, dict) and params else None
+    if not isinstance(params, dict) or not params:
+        return None
+    parse_prefill_answer(params)
+    return params  # forwarded verbatim, as vLLM's proxies do: fields a newer vLLM adds reach decode
 
 
 def encode(body: Mapping[str, Any]) -> bytes:
@@ -77,4 +77,7 @@ async def prefill(upstream: Upstream, endpoint: Endpoint, path: str, body: Mappi
     if response.status != 200:
         raise AttemptFailed(f"prefill_status_{response.status}",
                             f"{endpoint.id}: prefill answered HTTP {response.status}: {raw[:200]!r}")
-    return kv_params_of(raw)
+    try:
+        return kv_params_of(raw)
+    except InvalidKvTransferParams as exc:
+        raise AttemptFailed("prefill_bad_params", f"{endpoint.id}: {exc}") from None

@@ -1,7 +1,8 @@
 """Pure lifecycle decisions: is an engine stuck, how many replicas a pool needs.
 
-The scraping of ``/metrics`` happens at the edge (``kvflow.operator.scrape``); these functions
-only look at samples already taken, so they are tested with plain numbers.
+The scraping of ``/metrics`` happens at the edge (``kvflow.operator.scrape``, with the router's
+fetch and parser: ``kvflow.protocol.vllm_metrics``); these functions only look at samples
+already taken, so they are tested with plain numbers.
 """
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-GENERATED = "vllm:generation_tokens_total"
+from kvflow.protocol.vllm_metrics import EngineMetrics
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -26,34 +25,8 @@ class Sample:
     generated: float
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum the Prometheus text-format samples of each metric name over all label sets."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name_part, _, rest = line.partition("{")
-            rest = rest.rpartition("}")[2]
-        else:
-            name_part, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        out[name_part] = out.get(name_part, 0.0) + value
-    return out
-
-
-def sample_from_metrics(metrics: Mapping[str, float], at: float) -> Sample:
-    return Sample(at=at, running=metrics.get(RUNNING, 0.0), waiting=metrics.get(WAITING, 0.0),
-                  generated=metrics.get(GENERATED, 0.0))
+def sample_from_metrics(metrics: EngineMetrics, at: float) -> Sample:
+    return Sample(at=at, running=metrics.running, waiting=metrics.waiting, generated=metrics.generated_tokens)
 
 
 def is_stuck(history: Sequence[Sample], now: float, threshold: float) -> bool:

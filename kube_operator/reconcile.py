@@ -24,6 +24,7 @@ from kvflow.operator.render import render
 from kvflow.operator.render_pools import rendered_roles
 from kvflow.operator.spec import InvalidSpecError, LLMService, PoolRole, parse
 from kvflow.operator.status import Event
+from kvflow.protocol.vllm_metrics import EngineMetrics
 
 OPTIONAL_KINDS = {"InferencePool": "Gateway API Inference Extension CRDs (InferencePool v1)",
                   "HTTPRoute": "Gateway API CRDs (HTTPRoute v1)", "ScaledObject": "KEDA"}
@@ -181,7 +182,7 @@ async def _lifecycle(rt: Runtime, svc: LLMService, observed: Mapping[Key, Obj],
                      all_pods: list[Obj]) -> tuple[dict[PoolRole, int], list[Event]]:
     assert rt.client is not None
     pods = _running_engines(all_pods)
-    metrics: dict[str, dict[str, float]] = {}
+    metrics: dict[str, EngineMetrics] = {}
     for role in rendered_roles(svc):  # the engine's own port: a decode sidecar may sit in front
         answered = await scrape.scrape_pods(_of_role(pods, role), names.engine_port(svc, role),
                                             rt.config.scrape_timeout)
@@ -230,7 +231,7 @@ async def _replace_stuck(rt: Runtime, svc: LLMService, role: PoolRole, pods: lis
     return []  # at most one per pool per round: a metrics glitch must not empty a pool
 
 
-def _autoscale(rt: Runtime, svc: LLMService, pods: list[Obj], metrics: Mapping[str, Mapping[str, float]],
+def _autoscale(rt: Runtime, svc: LLMService, pods: list[Obj], metrics: Mapping[str, EngineMetrics],
                observed: Mapping[Key, Obj], events: list[Event], now: float) -> dict[PoolRole, int]:
     if svc.spec.autoscaling.mode != "operator":
         return {}
@@ -242,7 +243,7 @@ def _autoscale(rt: Runtime, svc: LLMService, pods: list[Obj], metrics: Mapping[s
         if bounds is None or have is None:
             continue
         current = int((have.get("spec") or {}).get("replicas", 1))
-        depths = [metrics[p["metadata"]["uid"]].get(lifecycle.WAITING, 0.0) for p in _of_role(pods, role)
+        depths = [metrics[p["metadata"]["uid"]].waiting for p in _of_role(pods, role)
                   if p["metadata"]["uid"] in metrics]
         recommended = lifecycle.desired_replicas(current, depths, svc.spec.autoscaling.target_queue_depth,
                                                  bounds.min_replicas, bounds.max_replicas)

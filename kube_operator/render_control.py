@@ -10,6 +10,7 @@ from kvflow.operator import args, names, volumes
 from kvflow.operator.objects import Obj, content_hash, new
 from kvflow.operator.render_pools import NON_ROOT, rendered_roles
 from kvflow.operator.spec import LLMService, PoolRole
+from kvflow.protocol.vllm_metrics import WAITING
 
 
 
@@ -257,8 +258,8 @@ def http_route(svc: LLMService) -> Obj:
     return route
 
 
-QUEUE_METRIC = "vllm:num_requests_waiting"
-QUEUE_METRIC_ADAPTED = "vllm_num_requests_waiting"  # prometheus-adapter exposes it without colons
+QUEUE_METRIC = WAITING
+QUEUE_METRIC_ADAPTED = WAITING.replace(":", "_")  # prometheus-adapter exposes it without colons
 
 
 def autoscaler_objects(svc: LLMService) -> list[Obj]:

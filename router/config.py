@@ -1,4 +1,4 @@
-"""Router configuration: YAML/JSON → validated ``RouterConfig``, built-in profiles included.
+"""Router configuration: YAML/JSON → one frozen, validated ``RouterConfig``, built-ins included.
 
 The layout follows the Inference Extension's EndpointPickerConfig::
 
@@ -14,13 +14,18 @@ Built-in plugins and profiles (``BUILTIN_PLUGINS``, ``BUILTIN_PROFILES``) are al
 user entry with the same name replaces the built-in one. Loading is strict: unknown keys,
 references to plugins that do not exist, scorers without a weight, weights on non-scorers, and
 profiles without exactly one picker are all ``ValueError``s naming the culprit.
+
+``RouterConfig`` is both the file's schema (camelCase aliases, nested sections) and what the
+router reads: the flat names it reads (``pd_threshold``, ``endpoints``, ``plugins`` with the
+built-ins, ...) are read-only views of those sections, not copies. ``load_config`` builds it:
+pydantic checks each field, ``load_config`` the references between them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,35 +110,6 @@ class PdSpec(_Strict):
     """Profile that picks the prefill pod; by default the request's own profile."""
 
 
-class ConfigSpec(_Strict):
-    block_size: int = Field(default=16, alias="blockSize", gt=0)
-    hash_seed: str = Field(default="0", alias="hashSeed")
-    hash_algo: Literal["sha256", "sha256_cbor"] = Field(default="sha256", alias="hashAlgo")
-    scrape_interval: float = Field(default=0.5, alias="scrapeIntervalSeconds", gt=0)
-    """Seconds between scrapes of a pod with load (the router's own accounting fills the gaps)."""
-    scrape_idle_interval: float = Field(default=2.0, alias="scrapeIdleIntervalSeconds", gt=0)
-    """Seconds between scrapes of an idle pod."""
-    stale_after: float = Field(default=1.0, alias="staleAfterSeconds", gt=0)
-    """A pod that does not answer a scrape within this long drops out until one succeeds."""
-    step_tokens: int = Field(default=256, alias="stepTokens", ge=0)
-    """An engine step's fixed cost, in prompt tokens of prefill work (the TTFT estimate's unit)."""
-    max_prompt_tokens: int | None = Field(default=None, alias="maxPromptTokens", gt=0)
-    """Longest prompt scheduled (a 400 beyond); by default the pods' context length when the
-    gateway learns it from ``/v1/models``, else ``DEFAULT_MAX_PROMPT_TOKENS``."""
-    prefill_rate: float = Field(default=20_000.0, alias="prefillTokensPerSecond", gt=0)
-    """A pod's prefill speed until its first tokens are observed (its queue drains at this rate)."""
-    approx_capacity: int = Field(default=8192, alias="approxCapacityBlocks", gt=0)
-    seed: int = 0
-    lora_paths: dict[str, str] = Field(default_factory=dict, alias="loraPaths")
-    """Adapter name → the path pods load it from: vLLM hashes both into LoRA blocks."""
-    default_profile: str = Field(default="default", alias="defaultProfile")
-    kv_events: KvEventsSpec = Field(default_factory=KvEventsSpec, alias="kvEvents")
-    pd: PdSpec = Field(default_factory=PdSpec)
-    pool: PoolSpec = Field(default_factory=PoolSpec)
-    plugins: list[PluginSpec] = Field(default_factory=list)
-    scheduling_profiles: list[ProfileSpec] = Field(default_factory=list, alias="schedulingProfiles")
-
-
 DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 """A million tokens: no model server takes more, and hashing more would hold the router for long."""
 
@@ -192,39 +168,109 @@ BUILTIN_PROFILES: tuple[ProfileSpec, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    block_size: int = 16
-    hash_seed: str = "0"
-    hash_algo: str = "sha256"
-    scrape_interval: float = 0.5
-    scrape_idle_interval: float = 2.0
-    stale_after: float = 1.0
-    step_tokens: int = 256
-    prefill_rate: float = 20_000.0
-    max_prompt_tokens: int | None = None
-    approx_capacity: int = 8192
+class RouterConfig(_Strict):
+    """The router's configuration, as the file spells it and as the router reads it."""
+
+    block_size: int = Field(default=16, alias="blockSize", gt=0)
+    hash_seed: str = Field(default="0", alias="hashSeed")
+    hash_algo: Literal["sha256", "sha256_cbor"] = Field(default="sha256", alias="hashAlgo")
+    scrape_interval: float = Field(default=0.5, alias="scrapeIntervalSeconds", gt=0)
+    """Seconds between scrapes of a pod with load (the router's own accounting fills the gaps)."""
+    scrape_idle_interval: float = Field(default=2.0, alias="scrapeIdleIntervalSeconds", gt=0)
+    """Seconds between scrapes of an idle pod."""
+    stale_after: float = Field(default=1.0, alias="staleAfterSeconds", gt=0)
+    """A pod that does not answer a scrape within this long drops out until one succeeds."""
+    step_tokens: int = Field(default=256, alias="stepTokens", ge=0)
+    """An engine step's fixed cost, in prompt tokens of prefill work (the TTFT estimate's unit)."""
+    max_prompt_tokens: int | None = Field(default=None, alias="maxPromptTokens", gt=0)
+    """Longest prompt scheduled (a 400 beyond); by default the pods' context length when the
+    gateway learns it from ``/v1/models``, else ``DEFAULT_MAX_PROMPT_TOKENS``."""
+    prefill_rate: float = Field(default=20_000.0, alias="prefillTokensPerSecond", gt=0)
+    """A pod's prefill speed until its first tokens are observed (its queue drains at this rate)."""
+    approx_capacity: int = Field(default=8192, alias="approxCapacityBlocks", gt=0)
     seed: int = 0
-    lora_paths: Mapping[str, str] = field(default_factory=dict)
-    default_profile: str = "default"
-    kv_events_enabled: bool = True
-    kv_events_port: int = 5557
-    speculative_ttl: float = 2.0
-    kv_events_ranks: int = 1
-    pd_enabled: bool = True
-    pd_threshold: int = 256
-    pd_prefill_profile: str | None = None
-    pool_name: str = "default"
-    model: str | None = None
-    loras: frozenset[str] = frozenset()
-    endpoints: tuple[Endpoint, ...] = ()
-    kv_event_endpoints: Mapping[str, str] = field(default_factory=dict)
-    """Endpoint id → ZMQ address, where it is not the default."""
-    kv_replay_endpoints: Mapping[str, str] = field(default_factory=dict)
-    """Endpoint id → the pod's KV-event replay address, where it has one."""
-    kubernetes: KubernetesSpec | None = None
-    plugins: Mapping[str, PluginSpec] = field(default_factory=dict)
-    profiles: Mapping[str, ProfileSpec] = field(default_factory=dict)
+    lora_paths: dict[str, str] = Field(default_factory=dict, alias="loraPaths")
+    """Adapter name → the path pods load it from: vLLM hashes both into LoRA blocks."""
+    default_profile: str = Field(default="default", alias="defaultProfile")
+    kv_events: KvEventsSpec = Field(default_factory=KvEventsSpec, alias="kvEvents")
+    pd: PdSpec = Field(default_factory=PdSpec)
+    pool: PoolSpec = Field(default_factory=PoolSpec)
+    user_plugins: tuple[PluginSpec, ...] = Field(default=(), alias="plugins")
+    """The file's ``plugins``; ``plugins`` below adds the built-ins."""
+    scheduling_profiles: tuple[ProfileSpec, ...] = Field(default=(), alias="schedulingProfiles")
+    """The file's profiles; ``profiles`` below adds the built-ins."""
+
+    # -- views the router reads: derived from the sections above, never stored twice -------
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        return self.kv_events.enabled
+
+    @property
+    def kv_events_port(self) -> int:
+        return self.kv_events.port
+
+    @property
+    def speculative_ttl(self) -> float:
+        return self.kv_events.speculative_ttl
+
+    @property
+    def kv_events_ranks(self) -> int:
+        return self.kv_events.data_parallel_size
+
+    @property
+    def pd_enabled(self) -> bool:
+        return self.pd.enabled
+
+    @property
+    def pd_threshold(self) -> int:
+        return self.pd.threshold
+
+    @property
+    def pd_prefill_profile(self) -> str | None:
+        return self.pd.prefill_profile
+
+    @property
+    def pool_name(self) -> str:
+        return self.pool.name
+
+    @property
+    def model(self) -> str | None:
+        return self.pool.model
+
+    @property
+    def kubernetes(self) -> KubernetesSpec | None:
+        return self.pool.kubernetes
+
+    @cached_property
+    def loras(self) -> frozenset[str]:
+        """Adapters the pool serves: those it lists and those it has paths for."""
+        return frozenset(self.pool.loras) | frozenset(self.lora_paths)
+
+    @cached_property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(_endpoint(e) for e in self.pool.endpoints)
+
+    @cached_property
+    def kv_event_endpoints(self) -> Mapping[str, str]:
+        """Endpoint id → ZMQ address, where it is not the default."""
+        return {ep.id: spec.kv_events for ep, spec in zip(self.endpoints, self.pool.endpoints) if spec.kv_events}
+
+    @cached_property
+    def kv_replay_endpoints(self) -> Mapping[str, str]:
+        """Endpoint id → the pod's KV-event replay address, where it has one."""
+        return {ep.id: spec.kv_events_replay for ep, spec in zip(self.endpoints, self.pool.endpoints)
+                if spec.kv_events_replay}
+
+    @cached_property
+    def plugins(self) -> Mapping[str, PluginSpec]:
+        """Every plugin by name: the built-ins, replaced or joined by the file's."""
+        return {p.name: p for p in BUILTIN_PLUGINS} | _unique("plugin", self.user_plugins)
+
+    @cached_property
+    def profiles(self) -> Mapping[str, ProfileSpec]:
+        """Every profile by name: the built-ins, replaced or joined by the file's."""
+        return {p.name: p for p in BUILTIN_PROFILES} | _unique("profile", self.scheduling_profiles)
 
     def kv_events_address(self, endpoint: Endpoint) -> str:
         return self.kv_event_endpoints.get(endpoint.id) or f"tcp://{endpoint.host}:{self.kv_events_port}"
@@ -240,52 +286,21 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None) -> RouterC
     """A file path (YAML or JSON), a mapping, or None for the built-ins alone."""
     raw = read_source(source)
     try:
-        spec = ConfigSpec.model_validate(raw)
+        config = RouterConfig.model_validate(raw)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"invalid router config: {problems}") from None
-    assert spec.hash_algo in HASH_ALGOS
-    plugins = {p.name: p for p in BUILTIN_PLUGINS} | _unique("plugin", spec.plugins)
-    profiles = {p.name: p for p in BUILTIN_PROFILES} | _unique("profile", spec.scheduling_profiles)
+    assert config.hash_algo in HASH_ALGOS
+    plugins, profiles = config.plugins, config.profiles  # duplicate names fail here
     for plugin in plugins.values():
         validate(plugin.name, plugin.type, plugin.parameters)
     for profile in profiles.values():
         _check_profile(profile, plugins)
-    for ref in (spec.default_profile, spec.pd.prefill_profile):
+    for ref in (config.default_profile, config.pd_prefill_profile):
         if ref is not None and ref not in profiles:
             raise ValueError(f"unknown profile {ref!r} (profiles: {', '.join(sorted(profiles))})")
-    endpoints = tuple(_endpoint(e) for e in spec.pool.endpoints)
-    return RouterConfig(
-        block_size=spec.block_size,
-        hash_seed=spec.hash_seed,
-        hash_algo=spec.hash_algo,
-        scrape_interval=spec.scrape_interval,
-        scrape_idle_interval=spec.scrape_idle_interval,
-        stale_after=spec.stale_after,
-        step_tokens=spec.step_tokens,
-        prefill_rate=spec.prefill_rate,
-        max_prompt_tokens=spec.max_prompt_tokens,
-        approx_capacity=spec.approx_capacity,
-        seed=spec.seed,
-        lora_paths=dict(spec.lora_paths),
-        default_profile=spec.default_profile,
-        kv_events_enabled=spec.kv_events.enabled,
-        kv_events_port=spec.kv_events.port,
-        speculative_ttl=spec.kv_events.speculative_ttl,
-        kv_events_ranks=spec.kv_events.data_parallel_size,
-        pd_enabled=spec.pd.enabled,
-        pd_threshold=spec.pd.threshold,
-        pd_prefill_profile=spec.pd.prefill_profile,
-        pool_name=spec.pool.name,
-        model=spec.pool.model,
-        loras=frozenset(spec.pool.loras) | frozenset(spec.lora_paths),
-        endpoints=endpoints,
-        kv_event_endpoints={_endpoint(e).id: e.kv_events for e in spec.pool.endpoints if e.kv_events},
-        kv_replay_endpoints={_endpoint(e).id: e.kv_events_replay for e in spec.pool.endpoints if e.kv_events_replay},
-        kubernetes=spec.pool.kubernetes,
-        plugins=plugins,
-        profiles=profiles,
-    )
+    _ = config.endpoints  # every address parsed now: one that is not HOST:PORT fails the load
+    return config
 
 
 def read_source(source: str | Path | Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -303,7 +318,7 @@ def read_source(source: str | Path | Mapping[str, Any] | None) -> Mapping[str, A
     return data
 
 
-def _unique(what: str, items: list[Any]) -> dict[str, Any]:
+def _unique(what: str, items: Iterable[Any]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for item in items:
         if item.name in seen:

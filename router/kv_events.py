@@ -7,7 +7,9 @@ per batch: ``[topic, seq (8-byte big-endian), payload]``. The payload is msgpack
 ``BlockRemoved``, ``AllBlocksCleared``), as vLLM 0.32 sends them (docs/vllm-protocols.md).
 Older vLLM versions made events ``array_like`` too (``["BlockStored", hashes, parent, ...]``);
 both decode, and unknown extra fields are ignored. Hashes arrive as ints (the default) or as
-32-byte digests; both become the int form ``kvflow.hashing.to_external`` gives.
+32-byte digests; both become the int form ``kvflow.hashing.to_external`` gives. The schema and
+its validating decoder (``decode_batch``, ``BadEvent``) are ``kvflow.protocol.kv_events``, the
+definition the simulator encodes with; this module subscribes and applies.
 
 The index is keyed by the router's own fingerprints (``fingerprint.py``), not by vLLM's
 hashes: ``apply`` fingerprints each stored block from its tokens and extra keys, chained on
@@ -29,15 +31,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from kvflow.blockbytes import as_int64
-from kvflow.hashing import external_int
+from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, KvEvent, decode_batch
 from kvflow.router.fingerprint import event_keys
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.throttle import ThrottledLog
@@ -45,163 +44,6 @@ from kvflow.endpoints import Endpoint, EndpointId
 
 log = logging.getLogger(__name__)
 throttled = ThrottledLog(log)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[int, ...]
-    parent: int | None
-    block_size: int | None = None
-    token_ids: tuple[int, ...] = ()
-    """The stored blocks' tokens, block after block."""
-    lora_name: str | None = None
-    extra_keys: tuple[Any, ...] | None = None
-    """Each block's extra keys as vLLM publishes them (untagged: LoRA name, multimodal
-    ``(identifier, offset)`` pairs, cache salt, prompt-embedding digests), or None."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-MAX_HASHES_PER_EVENT = 1 << 16
-"""More blocks than any one request stores (a million-token prompt at block size 16)."""
-MAX_BLOCK_SIZE = 1 << 16
-MAX_TOKENS_PER_EVENT = 1 << 21
-"""Twice the longest prompt the router accepts."""
-MAX_KEY_LENGTH = 1024
-"""Characters (or bytes) in a LoRA name or one extra key; extra keys per block: 64."""
-
-
-class BadEvent(ValueError):
-    """A KV event that breaks the protocol: its whole batch is dropped."""
-
-
-def _ext(h: Any) -> int:
-    """A published block hash → the int form the index keys on; BadEvent for anything else."""
-    if isinstance(h, (bytes, bytearray)):
-        if not 0 < len(h) <= 64:
-            raise BadEvent(f"block hash of {len(h)} bytes")
-        return external_int(h)
-    if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 64:
-        raise BadEvent(f"block hash {h!r:.40} is not a 64-bit unsigned int or a digest")
-    return h
-
-
-def _hashes(raw: Any) -> tuple[int, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_HASHES_PER_EVENT:
-        raise BadEvent("block_hashes is not a list of at most 65536 hashes")
-    return tuple(_ext(h) for h in raw)
-
-
-_POSITIONS = {"block_hashes": 0, "parent_block_hash": 1, "token_ids": 2, "block_size": 3, "lora_name": 6,
-              "extra_keys": 7}
-
-
-def _tokens(raw: Any) -> tuple[int, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_TOKENS_PER_EVENT or as_int64(raw) is None:
-        raise BadEvent("token_ids is not a list of at most 2**21 int64 token ids")
-    return tuple(raw)
-
-
-def _name(raw: Any) -> str | None:
-    if raw is not None and (not isinstance(raw, str) or len(raw) > MAX_KEY_LENGTH):
-        raise BadEvent(f"lora_name {raw!r:.40}")
-    return raw
-
-
-def _scalar_key(k: Any) -> bool:
-    if isinstance(k, (str, bytes)):
-        return len(k) <= MAX_KEY_LENGTH
-    return k is None or (isinstance(k, int) and not isinstance(k, bool) and -(1 << 63) <= k < 1 << 64)
-
-
-def _key(k: Any) -> bool:
-    if isinstance(k, (list, tuple)):
-        return len(k) <= 4 and all(map(_scalar_key, k))
-    return _scalar_key(k)
-
-
-def _extra_keys(raw: Any, blocks: int) -> tuple[Any, ...] | None:
-    """Per block: None, or up to 64 keys, each a string, bytes, an int, or a pair of them
-    (multimodal ``(identifier, offset)``)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, (list, tuple)) or len(raw) != blocks:
-        raise BadEvent("extra_keys is not a list with one entry per block")
-    out: list[Any] = []
-    for keys in raw:
-        if keys is not None:
-            if not isinstance(keys, (list, tuple)) or len(keys) > 64:
-                raise BadEvent("a block's extra_keys is not a list of at most 64 keys")
-            if not all(map(_key, keys)):
-                raise BadEvent("an extra key is not a string, bytes, an int or a short list of them")
-            keys = tuple(tuple(k) if isinstance(k, list) else k for k in keys)
-        out.append(keys)
-    return tuple(out)
-
-
-def _fields(raw: Any) -> tuple[Any, Any]:
-    """(tag, field getter) for a map-tagged or array-tagged event."""
-    if isinstance(raw, dict):
-        return raw.get("type"), raw.get
-    if isinstance(raw, (list, tuple)) and raw:
-        rest = raw[1:]
-
-        def get(name: str, default: Any = None) -> Any:
-            i = _POSITIONS[name]
-            return rest[i] if i < len(rest) else default
-
-        return raw[0], get
-    return None, None
-
-
-def decode_event(raw: Any) -> KvEvent | None:
-    tag, get = _fields(raw)
-    if tag == "BlockStored":
-        parent = get("parent_block_hash")
-        size = get("block_size")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE):
-            raise BadEvent(f"block_size {size!r:.40}")
-        hashes = _hashes(get("block_hashes"))
-        return BlockStored(
-            hashes, None if parent is None else _ext(parent), size, _tokens(get("token_ids")),
-            _name(get("lora_name")), _extra_keys(get("extra_keys"), len(hashes)),
-        )
-    if tag == "BlockRemoved":
-        return BlockRemoved(_hashes(get("block_hashes")))
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    return None
-
-
-def decode_batch(payload: bytes) -> list[KvEvent]:
-    """One published payload → its events; unknown event types are skipped.
-
-    Nothing a pod sends is trusted: a payload that is not vLLM's shape, or any event field out of
-    range (a hash that is not a 64-bit int or a digest, a negative block size...), is a
-    ``BadEvent`` for the whole batch, so the index never applies half of one.
-    """
-    try:
-        batch = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise BadEvent(f"not msgpack: {exc}") from None
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], (list, tuple)):
-        raise BadEvent("KV event batch is not [ts, events, ...]")
-    return [e for e in (decode_event(raw) for raw in batch[1]) if e is not None]
 
 
 def stored_fingerprints(index: PrefixIndex, event: BlockStored) -> list[int] | None:

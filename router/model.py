@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvflow.endpoints import Endpoint, EndpointId
+from kvflow.protocol.vllm_metrics import EngineMetrics as EngineMetrics  # the router's API names it
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 
@@ -45,26 +46,6 @@ class SchedulingResult:
     """Set when the P/D decider chose to disaggregate."""
     cached_tokens: int
     """Prompt tokens cached on ``targets[0]``, as the router believes."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineMetrics:
-    """What one vLLM ``/metrics`` scrape tells the scheduler."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    """Fraction of KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``)."""
-    prefix_queries: float = 0.0
-    prefix_hits: float = 0.0
-    running_loras: frozenset[str] = frozenset()
-    waiting_loras: frozenset[str] = frozenset()
-    max_loras: int = 0
-    block_size: int | None = None
-    num_blocks: int | None = None
-    models: frozenset[str] = frozenset()
-    rejected: int = field(default=0, compare=False)
-    """Samples skipped as out of range or malformed (the pod is not trusted to send sane numbers)."""
 
 
 DEFAULT_PREFILL_RATE = 20_000.0

@@ -13,7 +13,9 @@ KV-cache use, its real queue), and for health. That makes them rare and cheap:
 * **judged by their own outcome**: a pod drops out when a scrape fails or does not answer within
   ``timeout``, never because the router's own loop was too busy to scrape it.
 
-One task per endpoint, so a slow pod delays only itself.
+One task per endpoint, so a slow pod delays only itself. Fetching and parsing are
+``kvflow.protocol.vllm_metrics``'s (the operator scrapes with the same code); the policy above is
+the router's.
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ from collections.abc import Callable
 import aiohttp
 
 from kvflow.endpoints import Endpoint, EndpointId
-from kvflow.throttle import ThrottledLog
+from kvflow.protocol.vllm_metrics import EngineMetrics, fetch_metrics
 from kvflow.router.datastore import Datastore
-from kvflow.router.metrics_scrape import parse_metrics
-from kvflow.router.model import EngineMetrics
+from kvflow.throttle import ThrottledLog
 
 log = logging.getLogger(__name__)
 throttled = ThrottledLog(log)
@@ -62,8 +63,6 @@ class Scraper:
         self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[EndpointId, asyncio.Task[None]] = {}
-        self.scrapes = 0
-        """Scrapes sent, all endpoints (the benchmark reports the rate)."""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
@@ -92,16 +91,8 @@ class Scraper:
     async def scrape_once(self, endpoint: Endpoint) -> EngineMetrics | None:
         """The pod's metrics, or None when it failed, timed out or sent something unreadable."""
         assert self._session is not None
-        self.scrapes += 1
-        try:
-            async with self._session.get(f"{endpoint.url}/metrics") as resp:
-                if resp.status != 200:
-                    return None
-                text = await resp.text()
-        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
-            return None
-        metrics = parse_metrics(text)
-        if metrics.rejected:
+        metrics = await fetch_metrics(self._session, f"{endpoint.url}/metrics")
+        if metrics is not None and metrics.rejected:
             throttled.warning(endpoint.id, "skipped %d malformed or out-of-range metric samples from %s",
                               metrics.rejected, endpoint.id)
         return metrics

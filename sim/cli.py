@@ -22,6 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvflow.hashing import HASH_ALGOS, VLLM_UNSET_SEED
+from kvflow.sim.clock import Clock, MonotonicClock
 from kvflow.sim.engine import Engine
 from kvflow.sim.events import ZmqPublisher
 from kvflow.sim.faults import Faults
@@ -122,8 +123,10 @@ def build_state(args: argparse.Namespace) -> SimState:
     if args.kv_events_endpoint:
         publisher = ZmqPublisher(args.kv_events_endpoint, topic=args.kv_events_topic,
                                  replay_endpoint=args.kv_events_replay_endpoint, own_host=args.host)
-    engine = Engine(scheduler, profile, transfer=_transfer(args, profile), metrics=metrics, publisher=publisher,
-                    faults=faults, bytes_per_block=args.kv_block_bytes, max_lag_s=args.engine_max_lag)
+    clock = MonotonicClock()  # one timeline: the transfer's leases run on the engine's clock
+    engine = Engine(scheduler, profile, transfer=_transfer(args, profile, clock), metrics=metrics,
+                    publisher=publisher, faults=faults, bytes_per_block=args.kv_block_bytes,
+                    max_lag_s=args.engine_max_lag, clock=clock)
     metrics.bind(engine.gauges())
     seed = os.environ.get("PYTHONHASHSEED", VLLM_UNSET_SEED)  # vLLM's NONE_HASH seed
     return SimState(
@@ -165,7 +168,7 @@ def _metrics(args: argparse.Namespace, model_name: str, num_blocks: int, *, lora
                       max_loras=args.max_loras if lora else None)
 
 
-def _transfer(args: argparse.Namespace, profile: Profile) -> KVTransfer:
+def _transfer(args: argparse.Namespace, profile: Profile, clock: Clock) -> KVTransfer:
     # modelled: the decode pod reaches the prefill pod's HTTP port; nixl: its side channel
     port = args.port if args.kv_transfer == "modelled" else (args.nixl_side_channel_port or args.port + 1000)
     return make_transfer(args.kv_transfer, TransferConfig(
@@ -173,7 +176,7 @@ def _transfer(args: argparse.Namespace, profile: Profile) -> KVTransfer:
         pin_timeout_s=args.kv_pin_timeout, transfer_base_s=profile.transfer_base_s,
         transfer_bytes_per_s=profile.transfer_bytes_per_s,
         modelled_bytes_per_block=profile.kv_bytes_per_token * args.block_size,
-    ))
+    ), clock)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -23,14 +23,18 @@ the GPU's steps. The simulator keeps that separation in time rather than in a se
   of the profile's minimal steps, at most 100 ms (``--engine-max-lag``); the ``instant`` profile,
   whose steps take no time, runs at the wall clock.
 
-The engine is also the ``KVHost`` a ``KVTransfer`` attaches to: pinned blocks of exported
-prefill requests, and the tokens each block holds. Transfers are real I/O and take wall time.
+The engine is also the ``KVHost`` a ``KVTransfer`` attaches to: the pool's geometry, and the
+pinned blocks of exported prefill requests, which the transfer unpins. It parses a request's
+``kv_transfer_params`` (``KvTransferParams``) for the transfer; params it cannot parse make the
+pull fail (``bad_params``) and the request prefill locally. Transfers are real I/O and take wall
+time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -38,10 +42,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.protocol.kv_transfer import InvalidKvTransferParams, KvTransferParams
 from kvflow.sim.clock import Clock, MonotonicClock
 from kvflow.sim.events import ZmqPublisher
 from kvflow.sim.faults import Faults
-from kvflow.sim.kv_transfer import KVTransfer
+from kvflow.sim.kv_transfer import KVTransfer, PullResult
 from kvflow.sim.metrics import EngineGauges, SimMetrics
 from kvflow.sim.profiles import Profile
 from kvflow.sim.request import SimRequest, Status
@@ -144,8 +149,10 @@ class Engine:
         req.arrival = self.clock.now()
         if self.scheduler.config.kv_transfer and req.wants_remote_prefill:
             # from now until its pull ends, keep the prefill pod's blocks alive (vLLM 0.32's
-            # heartbeats): the request may wait for free blocks longer than their lease
-            self.transfer.track(req.request_id, req.kv_transfer_params or {})
+            # heartbeats): the request may wait for free blocks longer than their lease. Params
+            # that do not parse are not tracked (vLLM's rule): the pull will say what is wrong.
+            with contextlib.suppress(InvalidKvTransferParams):
+                self.transfer.track(req.request_id, KvTransferParams.from_wire(req.kv_transfer_params))
         self._post(req.arrival, lambda _: self.scheduler.add(req))
 
     def abort(self, request_id: str) -> None:
@@ -193,9 +200,6 @@ class Engine:
     # -- KVHost ----------------------------------------------------------------------------
     def unpin(self, request_id: str) -> None:
         self._post(self.clock.now(), lambda _: self.scheduler.unpin(request_id))
-
-    def block_token_ids(self, block_id: int) -> tuple[int, ...]:
-        return self.scheduler.pool.blocks[block_id].token_ids
 
     def claim_export(self, request_id: str) -> bool:
         """A decode pod pulls an exported request's blocks: release them to it (modelled P/D)."""
@@ -300,26 +304,15 @@ class Engine:
             self.metrics.on_finished(req)
 
     def _export(self, req: SimRequest) -> dict[str, Any]:
-        """The prefill side's answer, shaped like vLLM NixlConnector's ``request_finished``."""
+        """The prefill side's answer, shaped like vLLM NixlConnector's ``request_finished``: where
+        the transfer can be reached, plus the request's blocks."""
         block_ids = self.scheduler.pinned[req.request_id]
-        extra = self.transfer.export(req.request_id, list(block_ids), req.prompt_ids)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": [list(block_ids)],
-            "remote_engine_id": self.transfer.engine_id,
-            "remote_request_id": req.request_id,
-            "remote_host": None,
-            "remote_port": None,
-            "tp_size": 1,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": req.num_prompt_tokens,
-            "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": req.cached_tokens,
-            **extra,
-        }
+        exported = self.transfer.export(req.request_id, list(block_ids), req.prompt_ids)
+        return dataclasses.replace(
+            exported, do_remote_prefill=True, remote_block_ids=(tuple(block_ids),), remote_request_id=req.request_id,
+            remote_num_tokens=req.num_prompt_tokens, transfer_mode="pull",
+            remote_prefill_cached_tokens=req.cached_tokens,
+        ).to_wire()
 
     def _start_pull(self, req: SimRequest) -> None:
         task = asyncio.get_running_loop().create_task(self._pull(req))
@@ -327,10 +320,9 @@ class Engine:
         task.add_done_callback(self._pulls.discard)
 
     async def _pull(self, req: SimRequest) -> None:
-        params = req.kv_transfer_params or {}
         local = req.block_ids[req.num_cached_blocks :]
         try:
-            result = await self.transfer.pull(params, local, req.prompt_ids)
+            result = await self._pull_params(req, local)
         except Exception as exc:  # noqa: BLE001 - a broken transfer must not take the engine down
             log.warning("kv pull for %s raised %s", req.request_id, exc)
             ok, seconds = False, 0.0
@@ -344,6 +336,13 @@ class Engine:
         if not ok and self.metrics is not None:
             self.metrics.pd_fallbacks.inc()
         self._post(self.clock.now(), lambda at: self.scheduler.remote_done(req, ok, at))
+
+    async def _pull_params(self, req: SimRequest, local: list[int]) -> PullResult:
+        try:
+            params = KvTransferParams.from_wire(req.kv_transfer_params)
+        except InvalidKvTransferParams as exc:  # vLLM too prefills locally with params it cannot use
+            return PullResult(False, 0.0, 0, f"bad_params: {exc}")
+        return await self.transfer.pull(params, local, req.prompt_ids)
 
     def _flush_events(self, at: float | None = None) -> None:
         """Publish the pool's events, stamped with the simulated time they happened at (``at``,

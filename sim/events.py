@@ -1,15 +1,13 @@
-"""KV-cache events on the wire, laid out exactly as vLLM publishes them, and their publisher.
+"""The simulator's KV-event publisher: vLLM's ZMQ PUB socket (plus its replay ROUTER).
 
 vLLM (``vllm/distributed/kv_events.py``) sends one ZMQ multipart message per engine step::
 
     [topic (utf-8), sequence (8-byte big-endian), msgpack(EventBatch)]
 
-``EventBatch`` is a msgspec array ``[ts, [event, ...], data_parallel_rank]``; each event is a
-msgspec *tagged map* ``{"type": "BlockStored", ...}`` whose fields with default values are
-omitted. The structs below reproduce that schema field for field (order, defaults, tagging), so
-msgspec encodes byte-identical payloads. The socket is a PUB that **binds** when the endpoint
-holds a wildcard (``tcp://*:5557``) or is ipc/inproc, and **connects** otherwise — the rule of
-vLLM's ``ZmqEventPublisher`` (plus: the pod's own address binds, see ``is_bind_endpoint``); an
+The payload's schema and encoder are ``kvflow.protocol.kv_events`` (shared with the router's
+decoder). The socket is a PUB that **binds** when the endpoint holds a wildcard
+(``tcp://*:5557``) or is ipc/inproc, and **connects** otherwise — the rule of vLLM's
+``ZmqEventPublisher`` (plus: the pod's own address binds, see ``is_bind_endpoint``); an
 optional ROUTER replay endpoint serves missed batches.
 """
 
@@ -18,77 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from kvflow.hashing import ExternalBlockHash
+from kvflow.protocol.kv_events import encode_batch
 
 log = logging.getLogger(__name__)
 
-MEDIUM_GPU = "GPU"
-KV_CACHE_SPEC_KIND = "full_attention"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
-    """Base of the tagged events; the tag is the class name."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def encode_batch(events: list[Any], *, ts: float | None = None, dp_rank: int = 0) -> bytes:
-    return _ENCODER.encode(EventBatch(ts=time.time() if ts is None else ts, events=events, data_parallel_rank=dp_rank))
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """The typed batch in a payload (what a subscriber such as the router does)."""
-    return _DECODER.decode(payload)
 
 
 def is_bind_endpoint(endpoint: str, own_host: str | None = None) -> bool:

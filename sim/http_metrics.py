@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kvflow.sim.exposition import Counter, Histogram, Registry, Summary
+from kvflow.exposition import Counter, Histogram, Registry, Summary
 
 VLLM_EXCLUDED_HANDLERS = ("/metrics", "/health", "/load", "/ping", "/version", "/server_info")
 SIM_EXCLUDED_HANDLERS = ("^/_sim/",)

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.hashing import BlockHash, to_external
-from kvflow.sim.events import KV_CACHE_SPEC_KIND, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvflow.protocol.kv_events import (
+    KV_CACHE_SPEC_KIND,
+    MEDIUM_GPU,
+    WireAllBlocksCleared,
+    WireBlockRemoved,
+    WireBlockStored,
+)
 
 NULL_BLOCK_ID = 0
 
@@ -175,7 +181,7 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = ()
         if self.enable_events:
-            self._events.append(AllBlocksCleared())
+            self._events.append(WireAllBlocksCleared())
         return True
 
     def take_events(self) -> list[Any]:
@@ -192,16 +198,16 @@ class BlockPool:
             if not ids:
                 del self._cached[h]
             if self.enable_events:
-                self._events.append(BlockRemoved(block_hashes=[to_external(h)], medium=MEDIUM_GPU, group_idx=0))
+                self._events.append(WireBlockRemoved(block_hashes=[to_external(h)], medium=MEDIUM_GPU, group_idx=0))
         block.block_hash = None
         block.token_ids = ()
 
 
 def _stored(hashes: Sequence[BlockHash], token_ids: Sequence[int], first_index: int, parent: BlockHash | None,
-            info: StoreInfo) -> BlockStored:
+            info: StoreInfo) -> WireBlockStored:
     bs = info.block_size
     start, end = first_index * bs, (first_index + len(hashes)) * bs
-    return BlockStored(
+    return WireBlockStored(
         block_hashes=[to_external(h) for h in hashes],
         parent_block_hash=to_external(parent) if parent is not None else None,
         token_ids=list(token_ids[start:end]),

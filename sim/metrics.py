@@ -18,7 +18,7 @@ histograms) when a request finishes in the engine. A request the client aborted 
 vLLM's output processor (``OutputProcessor.abort_requests`` records no finished stats), so it
 counts in none of the per-request families; here the engine does not call ``on_finished`` for it.
 
-The ``vllm:*`` and ``http_*`` families live in ``kvflow.sim.exposition`` (cheap to update,
+The ``vllm:*`` and ``http_*`` families live in ``kvflow.exposition`` (cheap to update,
 sub-millisecond to render); the runtime families come from prometheus_client's own collectors.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvflow.sim.exposition import Counter, CounterChild, Gauge, Histogram, HistogramChild, Registry
+from kvflow.exposition import Counter, CounterChild, Gauge, Histogram, HistogramChild, Registry
 from kvflow.sim.http_metrics import HttpMetrics
 from kvflow.sim.request import SimRequest
 

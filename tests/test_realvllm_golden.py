@@ -161,13 +161,13 @@ def test_hashes_are_published_as_uint64() -> None:
 
 
 def test_sim_codec_reencodes_real_payloads_byte_for_byte() -> None:
-    from kvflow.sim import events
+    from kvflow.protocol.kv_events import decode_structs
 
     encoder = msgspec.msgpack.Encoder()
     for run in RUNS:
         for frame in run["frames"]:
             payload = bytes.fromhex(frame["payload_hex"])
-            assert encoder.encode(events.decode_batch(payload)) == payload
+            assert encoder.encode(decode_structs(payload)) == payload
 
 
 def test_router_decodes_real_payloads() -> None:
@@ -222,12 +222,13 @@ def test_metric_labels() -> None:
 
 
 def test_router_scraper_reads_a_real_scrape() -> None:
-    from kvflow.router import metrics_scrape as scrape
+    from kvflow.protocol import vllm_metrics as scrape
 
     metrics = scrape.parse_metrics(METRICS)
     assert (metrics.running, metrics.waiting, metrics.kv_usage) == (0, 0, 0.0)
     assert (metrics.prefix_queries, metrics.prefix_hits) == (1949.0, 256.0)
     assert (metrics.block_size, metrics.num_blocks) == (32, 48)
+    assert metrics.generated_tokens == 68.0  # the operator's stuck-engine check reads this one
 
 
 def test_error_shapes() -> None:

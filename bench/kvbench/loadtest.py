@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvflow.router.metrics_scrape import parse_metrics
+from kvflow.protocol.vllm_metrics import parse_metrics
 from kvflow.router.model import SchedulingRequest
 from kvflow.router.router import PROFILE_HEADER, Router
 from kvflow.endpoints import Endpoint

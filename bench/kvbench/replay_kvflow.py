@@ -23,7 +23,7 @@ from kvflow.endpoints import Endpoint
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.flight import Flight
 from kvflow.router.kv_events import apply, decode_batch
-from kvflow.sim.events import KVEventBatch
+from kvflow.protocol.kv_events import KVEventBatch
 from kvflow.sim.profiles import Profile
 
 from kvbench.oracle import HASH, Pod, Prepared

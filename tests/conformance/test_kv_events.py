@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from kvflow.hashing import hash_request_tokens, to_external
-from kvflow.sim.events import decode_batch
+from kvflow.protocol.kv_events import decode_structs
 from kvflow.sim.server import FORCED_OUTPUT_XARG
 
 from .targets import KINDS, TOPIC, Target, TargetFactory, golden
@@ -87,7 +87,7 @@ def test_frames_are_topic_sequence_and_an_array_batch(make_target: TargetFactory
         assert isinstance(ts, float) and dp_rank == 0 and events
         assert all(isinstance(e, dict) and e["type"] in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
                    for e in events)
-        decode_batch(frame[2])  # the typed schema accepts it
+        decode_structs(frame[2])  # the typed schema accepts it
 
 
 def test_block_hashes_equal_kvflow_hashing(target: Target) -> None:

@@ -57,7 +57,8 @@ def test_unknown_subcommand_is_a_one_line_error():
 
 
 def test_core_does_not_import_components():
-    for name in ("hashing", "tokenizer", "endpoints", "errors", "openai_api"):
+    protocols = [f"protocol/{path.stem}" for path in (ROOT / "kvflow" / "protocol").glob("*.py")]
+    for name in ("hashing", "tokenizer", "endpoints", "errors", "openai_api", *protocols):
         source = (ROOT / "kvflow" / f"{name}.py").read_text()
         for component in ("kvflow.sim", "kvflow.router", "kvflow.gateway", "kvflow.operator", "kvflow.local"):
             assert component not in source, f"kvflow/{name}.py imports {component}"

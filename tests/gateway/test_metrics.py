@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvflow.gateway.metrics import GatewayMetrics
 
@@ -32,3 +32,26 @@ def test_histograms_are_cumulative_with_le_buckets() -> None:
         assert f'kvflow_gateway_request_duration_seconds_bucket{{le="{le}",model="m"}} {count}' in lines
     assert 'kvflow_gateway_request_duration_seconds_count{model="m"} 4.0' in lines
     assert 'kvflow_gateway_request_duration_seconds_sum{model="m"} 500.204' in lines
+
+
+def test_the_fast_render_is_generate_latest_byte_for_byte() -> None:
+    metrics = GatewayMetrics()
+    for model in ("m", 'quo"te', "new\nline", "ünïcode"):
+        m = metrics.model(model)
+        for seconds in (0.0005, 0.001, 0.2, 3.0, 500.0):
+            m.ttft.observe(seconds)
+            m.itl.observe(seconds / 10)
+            m.e2e.observe(seconds * 2)
+        m.inflight.set(3)
+        m.queued.set(0.5)
+        metrics.count(metrics.requests, model, "200")
+        metrics.count(metrics.mode, model, "pd")
+    metrics.count(metrics.failures, "m", "midstream")
+    metrics.http_refusals = {"write_timeout": 2, "header_too_large": 1}
+    fast = metrics.render()
+    reference = CollectorRegistry(auto_describe=False)
+    reference.register(metrics.registry)  # the same families, through prometheus_client
+    assert fast == generate_latest(reference)
+    assert 'kvflow_gateway_http_refusals_total{reason="write_timeout"} 2.0' in fast.decode().splitlines()
+    metrics.http_refusals = {"write_timeout": 5}
+    assert 'kvflow_gateway_http_refusals_total{reason="write_timeout"} 5.0' in metrics.render().decode().splitlines()

@@ -14,8 +14,9 @@ from kvflow.gateway.cli import config_from_args, parser
 from kvflow.gateway.flow import Rate
 from kvflow.gateway.pd import PREFILL_KV_PARAMS, decode_body, kv_params_of, prefill_body
 from kvflow.endpoints import Role
+from kvflow.protocol.kv_transfer import InvalidKvTransferParams
 
-PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
+PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1", "remote_request_id": "r1",
           "remote_block_ids": [3, 4], "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}
 
 
@@ -43,6 +44,17 @@ def test_decode_body_adds_params_and_keeps_everything_else() -> None:
 ])
 def test_kv_params_of(raw, expected) -> None:  # type: ignore[no-untyped-def]
     assert kv_params_of(raw) == expected
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"remote_port": "5600"}, "bad remote_port"),
+    ({"remote_host": None}, "lack remote_host"),
+    ({"do_remote_prefill": False}, "do not offer a remote prefill"),
+], ids=["wrong-type", "no-host", "no-remote-prefill"])
+def test_params_a_decode_pod_could_not_pull_with_are_not_forwarded(change, message) -> None:  # type: ignore[no-untyped-def]
+    raw = json.dumps({"choices": [], "kv_transfer_params": {**PARAMS, **change}}).encode()
+    with pytest.raises(InvalidKvTransferParams, match=message):
+        kv_params_of(raw)
 
 
 def digest(key: str) -> bytes:

@@ -14,18 +14,19 @@ from kvflow.operator.lifecycle import (
     Sample,
     desired_replicas,
     is_stuck,
-    parse_metrics,
+    sample_from_metrics,
     trim,
 )
 from kvflow.operator.objects import key
 from kvflow.operator.plan import deployment_settled, plan
 from kvflow.operator.render import render
 from kvflow.operator.spec import LLMService, parse
+from kvflow.protocol.vllm_metrics import parse_metrics
 
 # ---- metrics and stuck engines -----------------------------------------------------------
 
 
-def test_parse_metrics_sums_label_sets_and_skips_comments() -> None:
+def test_a_sample_sums_each_metric_over_label_sets_and_skips_comments() -> None:
     text = """# HELP vllm:num_requests_running Number of requests running.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 2.0
@@ -34,8 +35,7 @@ vllm:generation_tokens_total{model_name="m, with } brace"} 1234.0 1700000000000
 vllm:num_requests_waiting 3
 vllm:bogus{a="b"} NaN
 """
-    assert parse_metrics(text) == {"vllm:num_requests_running": 3.0, "vllm:generation_tokens_total": 1234.0,
-                                   "vllm:num_requests_waiting": 3.0}
+    assert sample_from_metrics(parse_metrics(text), at=7.0) == Sample(at=7.0, running=3, waiting=3, generated=1234.0)
 
 
 def samples(*rows: tuple[float, float, float]) -> list[Sample]:

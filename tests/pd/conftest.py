@@ -1,14 +1,23 @@
-"""Fixtures for P/D transfer tests: free side-channel ports and in-process NixlTransfer pods."""
+"""Fixtures for P/D transfer tests: free side-channel ports and in-process NixlTransfer pods.
+
+The pods of one test share a ``FakeClock`` that moves only when the test moves it (``clock``):
+leases and heartbeats happen when the test says. The bytes, handshakes and notifications between
+pods are real NIXL and ZMQ I/O on other threads, which no clock controls: ``eventually`` waits for
+their effects.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
 
+from kvflow.sim.clock import FakeClock
 from kvflow.sim.kv_transfer import TransferConfig
 
 
@@ -37,14 +46,24 @@ class FakeHost:
     def unpin(self, request_id: str) -> None:
         self.unpinned.append(request_id)
 
-    def block_token_ids(self, block_id: int) -> tuple[int, ...]:
-        return ()
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until ``predicate()`` holds, for what real I/O on another thread brings about."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.002)
 
 
 @pytest.fixture
-async def nixl_pods() -> AsyncIterator[Callable[..., Awaitable[tuple[object, FakeHost]]]]:
-    """``await nixl_pods(engine_id, **options)`` → a started NixlTransfer and its FakeHost."""
-    from kvflow.sim.nixl_transfer import NixlOptions, NixlTransfer
+def clock() -> FakeClock:
+    return FakeClock(jump=False)
+
+
+@pytest.fixture
+async def nixl_pods(clock: FakeClock) -> AsyncIterator[Callable[..., Awaitable[tuple[object, FakeHost]]]]:
+    """``await nixl_pods(engine_id, **options)`` → a started NixlTransfer on ``clock`` and its FakeHost."""
+    from kvflow.sim.nixl import NixlOptions, NixlTransfer
 
     started: list[NixlTransfer] = []
 
@@ -52,7 +71,8 @@ async def nixl_pods() -> AsyncIterator[Callable[..., Awaitable[tuple[object, Fak
                    num_blocks: int = 64, **options: object) -> tuple[NixlTransfer, FakeHost]:
         config = TransferConfig(engine_id=engine_id, host="127.0.0.1", port=port or side_channel_port(),
                                 pin_timeout_s=pin_timeout_s)
-        transfer = NixlTransfer(config, NixlOptions(**{"handshake_timeout": 1.0, **options}))  # type: ignore[arg-type]
+        transfer = NixlTransfer(config, NixlOptions(**{"handshake_timeout": 1.0, **options}),  # type: ignore[arg-type]
+                                clock=clock)
         host = FakeHost(num_blocks=num_blocks)
         transfer.attach(host)
         await transfer.start()

@@ -19,7 +19,7 @@ BENCH = Path(__file__).parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 from bench_nixl import cma_reader, pool_like
 
-from kvflow.sim.nixl_layout import KVLayout
+from kvflow.sim.nixl.layout import KVLayout
 
 
 def test_the_cma_baseline_copies_the_same_run_of_blocks_in_every_region() -> None:

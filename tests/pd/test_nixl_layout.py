@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvflow.sim import nixl_layout
-from kvflow.sim.nixl_layout import (
+from kvflow.protocol.kv_transfer import KvTransferParams
+from kvflow.sim.nixl import layout as nixl_layout
+from kvflow.sim.nixl.layout import (
     KVLayout,
     as_regions,
     block_digests,
@@ -17,7 +18,7 @@ from kvflow.sim.nixl_layout import (
     region_bases,
     write_blocks,
 )
-from kvflow.sim.nixl_transfer import plan_pull
+from kvflow.sim.nixl.pulls import plan_pull
 
 
 def test_a_real_model_shape_gives_vllm_block_sizes() -> None:
@@ -140,7 +141,7 @@ PARAMS = {"remote_engine_id": "p0", "remote_host": "127.0.0.2", "remote_port": 2
 )
 def test_plan_pairs_local_blocks_with_the_same_prompt_positions(
         local: list[int], prompt_tokens: int, remote_ids: list[int], first: int) -> None:
-    plan = plan_pull(PARAMS, local, prompt_tokens, block_size=16)
+    plan = plan_pull(KvTransferParams.from_wire(PARAMS), local, prompt_tokens, block_size=16)
     assert (plan.local_ids, plan.remote_ids, plan.first_block) == (local, remote_ids, first)
     assert (plan.engine_id, plan.host, plan.port, plan.remote_request_id) == ("p0", "127.0.0.2", 20001, "r1")
 
@@ -158,4 +159,4 @@ def test_plan_pairs_local_blocks_with_the_same_prompt_positions(
 def test_plan_rejects_params_that_cannot_be_pulled(params: dict, local: list[int], prompt_tokens: int,
                                                    match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        plan_pull(params, local, prompt_tokens, block_size=16)
+        plan_pull(KvTransferParams.from_wire(params), local, prompt_tokens, block_size=16)

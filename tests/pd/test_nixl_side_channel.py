@@ -6,8 +6,8 @@ import msgspec
 import pytest
 import zmq.asyncio
 
-from kvflow.sim.nixl_layout import KVLayout
-from kvflow.sim.nixl_side_channel import (
+from kvflow.sim.nixl.layout import KVLayout
+from kvflow.sim.nixl.side_channel import (
     GET_META_MSG,
     AgentMetadata,
     HandshakeError,

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl nixl-cu12)")
 
-from kvflow.sim.nixl_layout import block_digests, mismatched_blocks
+from kvflow.protocol.kv_transfer import KvTransferParams
+from kvflow.sim.clock import FakeClock
+from kvflow.sim.nixl.layout import block_digests, mismatched_blocks
+from tests.pd.conftest import eventually as until
 
 TOKENS = list(range(100, 140))  # 40 tokens: 3 blocks of 16, the last one partial
 
@@ -22,24 +26,17 @@ def hist_count(metric: Any) -> float:
     return float(metric.count)
 
 
-async def until(predicate: Any, timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
-def pd_params(prefill: Any, request_id: str, block_ids: list[int], tokens: list[int]) -> dict[str, Any]:
-    """What the engine answers a prefill request with: its own fields plus the transfer's."""
-    return {"do_remote_prefill": True, "remote_block_ids": [block_ids], "remote_request_id": request_id,
-            **prefill.export(request_id, block_ids, tokens)}
+def pd_params(prefill: Any, request_id: str, block_ids: list[int], tokens: list[int]) -> KvTransferParams:
+    """What the engine answers a prefill request with: the transfer's fields plus its own."""
+    return replace(prefill.export(request_id, block_ids, tokens), do_remote_prefill=True,
+                   remote_block_ids=(tuple(block_ids),), remote_request_id=request_id)
 
 
 async def test_export_answers_with_vllm_shaped_fields(nixl_pods: Any) -> None:
     prefill, _ = await nixl_pods("prefill-a")
     extra = prefill.export("req-1", [3, 4, 5], TOKENS)
-    assert extra == {"remote_engine_id": "prefill-a", "remote_host": "127.0.0.1",
-                     "remote_port": prefill.side_channel_port, "tp_size": 1}
+    assert extra == KvTransferParams(remote_engine_id="prefill-a", remote_host="127.0.0.1",
+                                     remote_port=prefill.side_channel_port, tp_size=1)
 
 
 async def test_a_pull_reads_exactly_what_prefill_wrote_then_frees_it(nixl_pods: Any) -> None:
@@ -92,7 +89,7 @@ async def test_concurrent_pulls_share_one_handshake(nixl_pods: Any) -> None:
 async def test_a_pull_from_a_pod_nobody_answers_falls_back(nixl_pods: Any) -> None:
     prefill, _ = await nixl_pods("prefill-a")
     decode, _ = await nixl_pods("decode-a", handshake_timeout=0.3)
-    params = pd_params(prefill, "req-1", [3, 4, 5], TOKENS) | {"remote_port": prefill.side_channel_port + 1}
+    params = replace(pd_params(prefill, "req-1", [3, 4, 5], TOKENS), remote_port=prefill.side_channel_port + 1)
 
     result = await decode.pull(params, [7, 8, 9], TOKENS)
 
@@ -106,7 +103,7 @@ async def test_a_pull_from_a_pod_nobody_answers_falls_back(nixl_pods: Any) -> No
 async def test_the_wrong_engine_behind_a_side_channel_is_refused(nixl_pods: Any) -> None:
     prefill, _ = await nixl_pods("prefill-a")
     decode, _ = await nixl_pods("decode-a")
-    params = pd_params(prefill, "req-1", [3], TOKENS[:16]) | {"remote_engine_id": "prefill-b"}
+    params = replace(pd_params(prefill, "req-1", [3], TOKENS[:16]), remote_engine_id="prefill-b")
 
     result = await decode.pull(params, [7], TOKENS[:16])
 
@@ -129,10 +126,14 @@ async def test_blocks_expired_and_reused_on_prefill_are_caught_not_served(nixl_p
     assert p_host.unpinned == ["req-1"]
 
 
-async def test_pinned_blocks_expire_and_a_late_notification_is_counted(nixl_pods: Any) -> None:
+async def test_pinned_blocks_expire_and_a_late_notification_is_counted(nixl_pods: Any, clock: FakeClock) -> None:
     prefill, p_host = await nixl_pods("prefill-a", pin_timeout_s=0.1)
     decode, _ = await nixl_pods("decode-a")
     params = pd_params(prefill, "req-1", [3], TOKENS[:16])
+    clock.advance(0.099)
+    await asyncio.sleep(0)  # whatever the clock woke runs now
+    assert p_host.unpinned == []
+    clock.advance(0.001)
     await until(lambda: p_host.unpinned == ["req-1"])
 
     result = await decode.pull(params, [7], TOKENS[:16])  # nothing reused the block yet: still right
@@ -146,7 +147,7 @@ async def test_pinned_blocks_expire_and_a_late_notification_is_counted(nixl_pods
 
 async def test_bad_params_fall_back_without_any_io(nixl_pods: Any) -> None:
     decode, _ = await nixl_pods("decode-a")
-    result = await decode.pull({"do_remote_prefill": True}, [1], TOKENS[:16])
+    result = await decode.pull(KvTransferParams(do_remote_prefill=True), [1], TOKENS[:16])
     assert result.reason == ("bad_params: kv_transfer_params lack remote_engine_id, remote_host, remote_port, "
                              "remote_request_id")
     assert sample(decode.metrics.fallbacks["bad_params"]) == 1
@@ -168,7 +169,7 @@ async def test_metrics_use_vllm_names_and_kvflow_names_for_the_rest(nixl_pods: A
 
 async def test_the_advertised_side_channel_host_can_differ_from_the_bound_one(nixl_pods: Any) -> None:
     prefill, _ = await nixl_pods("prefill-a", advertise_host="10.1.2.3")
-    assert prefill.export("req-1", [3], TOKENS[:16])["remote_host"] == "10.1.2.3"
+    assert prefill.export("req-1", [3], TOKENS[:16]).remote_host == "10.1.2.3"
 
 
 async def test_an_export_with_fewer_blocks_than_the_prompt_is_caught_by_the_pull(nixl_pods: Any) -> None:
@@ -188,7 +189,7 @@ async def test_a_read_is_verified_on_the_nixl_thread_and_its_errors_reach_the_ca
     decode, _ = await nixl_pods("decode-a")
     params = pd_params(prefill, "req-1", [3, 4], TOKENS[:32])
     assert (await decode.pull(params, [7, 8], TOKENS[:32])).ok  # handshake done, peer cached
-    agent, peer = decode.agent, decode._peers["prefill-a"]
+    agent, peer = decode.agent, decode.peers.cached("prefill-a")
     threads: list[str] = []
 
     def verify() -> list[int]:

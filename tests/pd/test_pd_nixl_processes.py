@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,8 +56,10 @@ async def test_concurrent_pd_requests_pull_exactly_the_blocks_prefill_wrote(grou
 
         done = await asyncio.gather(*(one(i) for i in range(n)))
         got = [await metrics(session, d) for d in decoders]
-        await asyncio.sleep(0.5)  # the last notifications reach the prefill pod
-        prefilled = await metrics(session, p)
+        deadline = time.monotonic() + 5  # the last done notifications are still on their way
+        while (prefilled := await metrics(session, p))["kvflow_sim:nixl_pinned_exports"] and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     for k, m in enumerate(got):
         expected_blocks = sum(b for pod, b in done if pod == k)

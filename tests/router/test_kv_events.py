@@ -279,7 +279,7 @@ def test_fingerprints_of_real_vllm_text_prompts_walk_to_every_stored_block() -> 
 def test_lora_and_salted_blocks_from_simulated_pods_match_the_requests_fingerprints() -> None:
     """The simulator's events carry LoRA and salt keys the way vLLM 0.32 does (untagged extra
     keys per block, lora_name): through the wire, they key the blocks as the router keys the request."""
-    from kvflow.sim import events as sim_events
+    from kvflow.protocol.kv_events import encode_batch
     from kvflow.sim.request import LoraAdapter
     from tests.sim.helpers import make_request, make_scheduler, run_until_idle
 
@@ -291,7 +291,7 @@ def test_lora_and_salted_blocks_from_simulated_pods_match_the_requests_fingerpri
         adapter = LoraAdapter(lora, f"/adapters/{lora}", 1) if lora else None
         sched.add(make_request(name, tokens, max_tokens=1, lora=adapter, cache_salt=salt))
     run_until_idle(sched)
-    payload = sim_events.encode_batch(sched.pool.take_events())
+    payload = encode_batch(sched.pool.take_events())
     pod = EndpointId("10.0.0.1:8000")
     assert apply(router.precise, pod, decode_batch(payload)) == 0
     walked = {name: router.precise.match(router.fingerprints(_request(name, tokens, lora=lora, salt=salt)))

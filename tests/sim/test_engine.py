@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvflow.protocol.kv_transfer import KvTransferParams
 from kvflow.sim.clock import FakeClock
 from kvflow.sim.engine import Engine, default_max_lag
 from kvflow.sim.kv_transfer import NoTransfer, PullResult, TransferConfig
@@ -263,7 +264,7 @@ class HeldPull(NoTransfer):
         super().__init__(TransferConfig())
         self.finish = asyncio.Event()
 
-    async def pull(self, params: dict[str, Any], local_block_ids: list[int], token_ids: list[int]) -> PullResult:
+    async def pull(self, params: KvTransferParams, local_block_ids: list[int], token_ids: list[int]) -> PullResult:
         await self.finish.wait()
         return PullResult(True, 0.5, 0)
 

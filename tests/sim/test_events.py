@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.sim.events import decode_batch, encode_batch, is_bind_endpoint
+from kvflow.protocol.kv_events import decode_structs, encode_batch
+from kvflow.sim.events import is_bind_endpoint
 
 FRAMES = [
     frame
@@ -19,7 +20,7 @@ FRAMES = [
 @pytest.mark.parametrize("frame", FRAMES, ids=[f"seq{f['seq']}-{i}" for i, f in enumerate(FRAMES)])
 def test_our_structs_reencode_vllms_payloads_identically(frame: dict) -> None:
     payload = bytes.fromhex(frame["payload_hex"])
-    batch = decode_batch(payload)
+    batch = decode_structs(payload)
     assert encode_batch(list(batch.events), ts=batch.ts, dp_rank=batch.data_parallel_rank or 0) == payload
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvflow.hashing import BlockHash, to_external
-from kvflow.sim.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvflow.protocol.kv_events import WireAllBlocksCleared as AllBlocksCleared
+from kvflow.protocol.kv_events import WireBlockRemoved as BlockRemoved
+from kvflow.protocol.kv_events import WireBlockStored as BlockStored
 from kvflow.sim.kvcache import BlockPool, NoFreeBlocks, StoreInfo
 
 INFO = StoreInfo(block_size=2)

@@ -10,7 +10,7 @@ bytes histogram's ``_sum`` the bytes moved), and the counters ``vllm:nixl_num_fa
 fallbacks to local prefill by reason, handshakes, content verification, pinned exports, and
 lease heartbeats (sent by decode pods, received and leases extended by prefill pods).
 
-``NixlMetrics`` owns a private registry of ``kvflow.sim.exposition`` families and renders it, so the
+``NixlMetrics`` owns a private registry of ``kvflow.exposition`` families and renders it, so the
 simulator's ``/metrics`` includes it, on its fast path, with ``sim_registry.register(transfer.metrics)``;
 it is also a prometheus_client collector (``collect``).
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.metrics_core import Metric
 
-from kvflow.sim.exposition import Counter, Gauge, Histogram, HistogramChild, Registry
+from kvflow.exposition import Counter, Gauge, Histogram, HistogramChild, Registry
 
 XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 POST_TIME_BUCKETS = (0.001, *XFER_TIME_BUCKETS)

@@ -1,12 +1,18 @@
-"""vLLM /metrics text → EngineMetrics, with vLLM v1's metric names and labels."""
+"""vLLM /metrics text → EngineMetrics, with vLLM v1's metric names and labels; the one fetch
+that the router's scraper and the operator's lifecycle round both use."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from kvflow.router.metrics_scrape import MAX_LABEL, parse_metrics
+from kvflow.local.procs import free_port
+from kvflow.protocol.vllm_metrics import MAX_LABEL, fetch_metrics, parse_metrics
 
 VLLM_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -76,3 +82,44 @@ def test_legacy_names_and_empty_text() -> None:
     m = parse_metrics("vllm:gpu_cache_usage_perc 0.5\nvllm:gpu_prefix_cache_hits_total 7\n")
     assert (m.kv_usage, m.prefix_hits, m.running) == (0.5, 7.0, 0)
     assert parse_metrics("") == parse_metrics("# nothing\n")
+
+
+def test_generated_tokens_are_read_but_do_not_make_a_scrape_look_changed_to_the_scorers() -> None:
+    five = parse_metrics('vllm:generation_tokens_total{engine="0"} 2\nvllm:generation_tokens_total{engine="1"} 3\n'
+                         "vllm:generation_tokens_created 1.7e9\n")
+    assert (five.generated_tokens, five.rejected) == (5.0, 0)
+    assert five == parse_metrics("vllm:generation_tokens_total 9\n")
+
+
+async def test_fetch_gives_metrics_or_none_when_the_pod_did_not_answer() -> None:
+    def answer(response: web.Response) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(_: web.Request) -> web.Response:
+            return response
+        return handler
+
+    released = asyncio.Event()
+
+    async def hang(_: web.Request) -> web.Response:
+        await released.wait()  # answers only after the client's timeout gave up on it
+        return web.Response(text=VLLM_TEXT)
+
+    app = web.Application()
+    app.router.add_get("/metrics", answer(web.Response(text=VLLM_TEXT)))
+    app.router.add_get("/500", answer(web.Response(status=500, text=VLLM_TEXT)))
+    app.router.add_get("/not-utf8", answer(web.Response(body=b"vllm:num_requests_running \xff\n",
+                                                        content_type="text/plain", charset="utf-8")))
+    app.router.add_get("/hang", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port("127.0.0.1")
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    closed = free_port("127.0.0.1")  # nothing listens there
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+            base = f"http://127.0.0.1:{port}"
+            assert await fetch_metrics(session, f"{base}/metrics") == parse_metrics(VLLM_TEXT)
+            for url in (f"{base}/500", f"{base}/not-utf8", f"{base}/hang", f"http://127.0.0.1:{closed}/metrics"):
+                assert await fetch_metrics(session, url) is None, url
+    finally:
+        released.set()
+        await runner.cleanup()

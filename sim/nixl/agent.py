@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvflow.sim.nixl_layout import (
+from kvflow.sim.nixl.layout import (
     KVLayout,
     as_regions,
     descriptor_ids,
@@ -156,7 +156,7 @@ class NixlAgent:
 
     buffer: np.ndarray = field(init=False)
     regions: np.ndarray = field(init=False)
-    """``[region, block, word-group, word]`` uint64 view of ``buffer`` (see nixl_layout)."""
+    """``[region, block, word-group, word]`` uint64 view of ``buffer`` (see ``layout``)."""
     busy_holds: int = field(default=0, init=False)
     """While positive, progress at ``busy_interval``: callers count what they wait on."""
     _busy_until: float = field(default=0.0, init=False)

@@ -7,7 +7,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvflow.sim.exposition import Counter, Gauge, Histogram, Registry, Summary
+from kvflow.exposition import Counter, Gauge, Histogram, Registry, Summary
 
 TRICKY = ["plain", 'quo"te', "back\\slash", "new\nline", "ünïcode", ""]
 
@@ -106,7 +106,7 @@ def test_a_prometheus_client_collector_renders_in_its_place() -> None:
 
 
 def test_a_group_with_its_own_fast_render_renders_in_its_place() -> None:
-    from kvflow.sim.nixl_metrics import NixlMetrics
+    from kvflow.sim.nixl.metrics import NixlMetrics
 
     nixl = NixlMetrics("m")
     nixl.bytes.observe(4096)

@@ -1,17 +1,19 @@
 """Prometheus metric families that render their text exposition (format 0.0.4) in a fraction
-of a millisecond: the fast path of the simulator's ``/metrics``.
+of a millisecond: the fast path of the simulator's and the gateway's ``/metrics``.
 
 prometheus_client's ``generate_latest`` rebuilds every sample on each scrape (a tuple per
 sample, labels sorted and escaped, every number formatted): 3-17 ms for vLLM's 46 KB, on the
 event loop that also serves tokens. Here each series writes its sample-line prefixes once, when
 it is created, so a render formats only numbers, and a histogram whose count has not moved
-since the last render reuses its text. Updates are plain attribute arithmetic (no lock: the
-simulator is single-threaded), which is what keeps observing cheap on the engine's hot path.
+since the last render reuses its text. Updates are plain attribute arithmetic (no lock: each
+user updates its families from one thread, its event loop), which is what keeps observing cheap
+on the simulator's engine step and the gateway's request path.
 
 The same families are a prometheus_client collector: ``Registry.collect()`` yields the public
 ``CounterMetricFamily``/``GaugeMetricFamily``/``HistogramMetricFamily``/``SummaryMetricFamily``
-objects, so ``generate_latest`` renders them too; ``tests/sim/test_exposition.py`` checks that the
-two renderings are identical byte for byte.
+objects, so ``generate_latest`` renders them too; ``tests/core/test_exposition.py`` checks that the
+two renderings are identical byte for byte (and the simulator's and gateway's tests check their
+own families the same way).
 """
 
 from __future__ import annotations
@@ -290,7 +292,7 @@ AnyFamily = Family[CounterChild] | Family[GaugeChild] | Family[HistogramChild] |
 
 
 class Renderable(Protocol):
-    """A group of families rendered on the fast path (``kvflow.sim.nixl_metrics.NixlMetrics``)."""
+    """A group of families rendered on the fast path (for example the simulator's NIXL metrics)."""
 
     def render(self) -> str: ...
 

@@ -1,38 +1,73 @@
-"""vLLM ``/metrics`` text → an ``EngineMetrics`` snapshot. Pure: no I/O here.
+"""vLLM's ``/metrics``: the families kvflow reads, one parser of them, and one fetch.
 
-A vLLM scrape is ~50 KB of text, mostly histograms the scheduler never reads, so only the
-sample lines of the families below are parsed (by hand: ~10 lines of the ~1,000). Names are vLLM
-v1's (``vllm/v1/metrics/loggers.py``); the older ``gpu_cache_usage_perc`` / ``gpu_prefix_cache_*``
-spellings are accepted too.
+The router scores pods on these numbers (``router/scraper.py``, every pod every 0.5-2 s) and
+the operator decides about engines with them (``operator/scrape.py``: stuck engines, queue-depth
+scaling); both call ``fetch_metrics`` and read the same ``EngineMetrics``.
+
+A vLLM scrape is ~50 KB of text, mostly histograms nobody here reads, so only the sample lines
+of the families below are parsed (by hand: ~10 lines of the ~1,000). Names are vLLM v1's
+(``vllm/v1/metrics/loggers.py``); the older ``gpu_cache_usage_perc`` / ``gpu_prefix_cache_*``
+spellings are accepted too. Counters are named without ``_total``, as prometheus_client
+declares them; the exposition appends it.
 
 A pod is not trusted to send sane numbers: a sample that is not a finite number in its family's
-range is skipped (``EngineMetrics.rejected`` counts them, the scraper logs it), never turned into
+range is skipped (``EngineMetrics.rejected`` counts them, the router logs it), never turned into
 a score, an exception, or an unbounded label set.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from kvflow.router.model import EngineMetrics
+import aiohttp
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+GENERATED = "vllm:generation_tokens"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 PREFIX_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 LORA_INFO = "vllm:lora_requests_info"
 CACHE_CONFIG = "vllm:cache_config_info"
 
-_SUMMED = (RUNNING, WAITING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS)
+_SUMMED = (RUNNING, WAITING, GENERATED, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS)
 _WANTED = (*_SUMMED, LORA_INFO, CACHE_CONFIG)
 MAX_COUNT = 1e12
 """Bigger than any real request or token count: a sample above it is garbage."""
 MAX_LABEL = 4096
 """Longest label value kept (LoRA adapter lists); longer ones are skipped."""
 MAX_MODELS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """What one vLLM ``/metrics`` scrape says, summed over the engine's data-parallel ranks.
+
+    Equality compares what the router's scorers read: a scrape equal to the last one leaves the
+    router's snapshot as it was.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    """Fraction of KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``)."""
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    running_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    max_loras: int = 0
+    block_size: int | None = None
+    num_blocks: int | None = None
+    models: frozenset[str] = frozenset()
+    generated_tokens: float = field(default=0.0, compare=False)
+    """Tokens generated since the engine started: the operator's sign of progress (no scorer reads it)."""
+    rejected: int = field(default=0, compare=False)
+    """Samples skipped as out of range or malformed (the pod is not trusted to send sane numbers)."""
+
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _UNESCAPE = re.compile(r"\\(.)")
@@ -89,7 +124,7 @@ def parse_metrics(text: str) -> EngineMetrics:
         if parsed is None or family is None:
             if parsed is None:
                 rejected += 1
-            continue  # a longer name sharing the prefix (e.g. ..._by_reason), or garbage
+            continue  # a longer name sharing the prefix (e.g. ..._by_reason, ..._created), or garbage
         _, labels, value = parsed
         if not math.isfinite(value) or value < 0 or value > MAX_COUNT or _too_long(labels.values()):
             rejected += 1
@@ -120,6 +155,7 @@ def parse_metrics(text: str) -> EngineMetrics:
         block_size=block_size,
         num_blocks=num_blocks,
         models=frozenset(models),
+        generated_tokens=sums.get(GENERATED, 0.0),
         rejected=rejected,
     )
 
@@ -146,3 +182,21 @@ def _int(value: str | None) -> int | None:
     except ValueError:
         return None
     return number if number is not None and 0 < number <= MAX_COUNT else None
+
+
+# -- the one fetch (the I/O edge; the callers own the session, its timeout and their policy) ----
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> EngineMetrics | None:
+    """The pod's metrics at ``url``, or None when it failed, timed out or sent something unreadable.
+
+    None is "did not answer", never "stuck" or "idle": what it means is the caller's to decide.
+    """
+    try:
+        async with session.get(url) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+        return None
+    return parse_metrics(text)

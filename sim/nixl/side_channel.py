@@ -26,7 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvflow.sim.nixl_layout import KVLayout
+from kvflow.sim.nixl.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
