@@ -80,7 +80,7 @@ class GatewayMetrics:
                 child.inc(n - child.value)
         routers = list(others)
         body = self.registry.render().encode()
-        return body + generate_latest(_Merged(routers)) if routers else body  # type: ignore[arg-type]
+        return body + generate_latest(_Merged(routers)) if routers else body
 
 
 class _Merged:

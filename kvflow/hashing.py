@@ -218,7 +218,7 @@ def hash_request_tokens(
     return list(chain)
 
 
-def external_int(block_hash: bytes) -> int:
+def external_int(block_hash: bytes | bytearray) -> int:
     """The int form vLLM publishes by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the
     digest's last 8 bytes, big-endian."""
     return int.from_bytes(block_hash[-8:], "big")

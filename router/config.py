@@ -144,7 +144,7 @@ BUILTIN_PLUGINS = tuple(
 
 
 def _profile(name: str, refs: list[str | tuple[str, float]]) -> ProfileSpec:
-    plugins = [PluginRef(pluginRef=r) if isinstance(r, str) else PluginRef(pluginRef=r[0], weight=r[1]) for r in refs]
+    plugins = [PluginRef(plugin_ref=r) if isinstance(r, str) else PluginRef(plugin_ref=r[0], weight=r[1]) for r in refs]
     return ProfileSpec(name=name, plugins=plugins)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, KvEvent, decode_batch
+from kvflow.protocol.kv_events import BadEvent, BlockRemoved, BlockStored, KvEvent, decode_batch
 from kvflow.router.fingerprint import event_keys
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.throttle import ThrottledLog

@@ -276,9 +276,8 @@ def _logit_bias_ids(bias: dict[str, float] | None) -> tuple[int, ...]:
 
 def sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Sampling:
     """``SamplingParams.from_optional`` and its ``_verify_args``, for one prompt of the request."""
-    chat = isinstance(req, ChatCompletionRequest)
     echo_only = False
-    if chat:
+    if isinstance(req, ChatCompletionRequest):
         logprobs = req.top_logprobs if req.logprobs and not req.logprob_token_ids else None
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.top_logprobs
     else:

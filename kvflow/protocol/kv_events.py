@@ -43,13 +43,13 @@ KV_CACHE_SPEC_KIND = "full_attention"
 # --- the wire schema, as vLLM 0.32 writes it ------------------------------------------------
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class WireKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class WireKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the tagged events; the tag is vLLM's class name."""
 
 
@@ -86,7 +86,7 @@ class WireAllBlocksCleared(WireKVCacheEvent, tag="AllBlocksCleared"):
 
 
 class KVEventBatch(EventBatch):
-    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]  # type: ignore[assignment]
+    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -17,7 +17,6 @@ a score, an exception, or an unbounded label set.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 from collections.abc import Iterable
@@ -197,6 +196,6 @@ async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> EngineMetri
             if resp.status != 200:
                 return None
             text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+    except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
         return None
     return parse_metrics(text)

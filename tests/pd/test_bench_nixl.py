@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-BENCH = Path(__file__).parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-from bench_nixl import cma_reader, pool_like
+from bench_nixl import cma_reader, pool_like  # bench/ is on pytest's pythonpath
 
 from kvflow.sim.nixl.layout import KVLayout
+
+BENCH = Path(__file__).parents[2] / "bench"
 
 
 def test_the_cma_baseline_copies_the_same_run_of_blocks_in_every_region() -> None:
