@@ -13,8 +13,8 @@ import zmq.asyncio
 from kvflow.router import kv_events
 from kvflow.hashing import hash_request_tokens, to_external
 from kvflow.router import Router, SchedulingRequest, load_config
+from kvflow.protocol.kv_events import AllBlocksCleared
 from kvflow.router.kv_events import (
-    AllBlocksCleared,
     BadEvent,
     BlockRemoved,
     BlockStored,
