@@ -75,7 +75,10 @@ class Pod:
 class Policy(Protocol):
     name: str
 
-    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int: ...
+    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int | None:
+        """The pod to send the request to; None refuses it (a router's 429: the request counts
+        as an error, with no time to first token, and a conversation's later turns are not sent)."""
+        ...
 
 
 class Observer(Protocol):
@@ -227,7 +230,10 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
         if kind == "send":
             pending_sends -= 1
             p = prepared[what]
-            pod = fleet[policy.pick(p, fleet, now, profile)]
+            picked = policy.pick(p, fleet, now, profile)
+            if picked is None:
+                continue
+            pod = fleet[picked]
             pod.routed += 1
             req = _sim_request(p, now)
             pod.expected_uncached[req.request_id] = len(p.token_ids) - Clairvoyant.cached_tokens(p, pod)

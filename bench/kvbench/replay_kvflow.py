@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from kvflow.endpoints import Endpoint
+from kvflow.errors import RateLimitError
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.flight import Flight
 from kvflow.router.kv_events import apply, decode_batch
@@ -51,11 +52,15 @@ class KvflowReplay:
         self.unchained = 0
         """``BlockStored`` events the router could not fingerprint (none, when block sizes agree)."""
 
-    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int:
+    def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int | None:
         self.now = now
         request = SchedulingRequest(str(prepared.request.index), MODEL, list(prepared.token_ids))
         started = time.thread_time()
-        result = self.router.schedule(request)
+        try:
+            result = self.router.schedule(request)
+        except RateLimitError:  # every pod saturated: the gateway answers 429
+            self.decide_seconds += time.thread_time() - started
+            return None
         flight = self.router.flight(request, result)
         flight.send(result.targets[0])
         self.decide_seconds += time.thread_time() - started

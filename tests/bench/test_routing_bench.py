@@ -68,3 +68,21 @@ def test_a_multi_turn_history_carries_the_answers_the_simulator_will_give() -> N
     assert second.after == first.index
     assert first.answer == sim_answer(first.seed, 4) and len(first.answer.split()) == 4
     assert second.prompt.startswith(first.prompt + first.answer + " ")
+
+
+class _RefuseOdd(oracle.RoundRobin):
+    """Round-robin that refuses every odd request, as a router answering 429 would."""
+
+    def pick(self, prepared, pods, now, profile):  # type: ignore[no-untyped-def]
+        return None if prepared.request.index % 2 else super().pick(prepared, pods, now, profile)
+
+
+def test_a_request_the_router_refuses_counts_as_an_error_in_the_replay() -> None:
+    profile = get_profile("h100-llama8b")
+    trace = TINY.trace(20.0, 2.0)
+    result = oracle.replay(trace, _RefuseOdd(), pods=2, profile=profile, num_blocks=300)
+    refused = [i for i, t in enumerate(result.ttft) if math.isnan(t)]
+    assert refused and all(i % 2 for i in refused)
+    assert sum(result.requests_per_pod) == len(trace.requests) - len(refused)
+    row = report.replay_row("smoke", "refusing", trace.rate, result.ttft)
+    assert row.errors == len(refused)
