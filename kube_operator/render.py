@@ -16,7 +16,7 @@ from kvflow.operator.objects import Obj, sort_for_apply
 from kvflow.operator.render_control import (
     autoscaler_objects,
     gateway_objects,
-    router_objects,
+    picker_objects,
 )
 from kvflow.operator.render_pools import render_pools
 from kvflow.operator.spec import API_VERSION, KIND, LLMService, parse
@@ -24,7 +24,7 @@ from kvflow.operator.spec import API_VERSION, KIND, LLMService, parse
 
 def render(svc: LLMService, images: names.Images | None = None) -> list[Obj]:
     images = images or names.Images()
-    objs = router_objects(svc, images) + render_pools(svc, images)
+    objs = picker_objects(svc, images) + render_pools(svc, images)
     objs += gateway_objects(svc, images) + autoscaler_objects(svc)
     return sort_for_apply(objs)
 

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import yaml
 
 from kvflow.operator import args, names, volumes
 from kvflow.operator.objects import Obj, content_hash, new
+from kvflow.operator.render_picker import (
+    PICKER_PORTS,
+    PICKER_RULES,
+    gie_objects,
+    grpc_probe,
+    picker_deployment,
+    picker_rbac,
+    picker_service,
+)
 from kvflow.operator.render_pools import NON_ROOT, rendered_roles
 from kvflow.operator.spec import LLMService, PoolRole
 from kvflow.protocol.vllm_metrics import WAITING
-
-
 
 # The operator's scorer names -> the router's built-in plugin names (kvflow.router.config).
 SCORER_PLUGINS = {"load": "active-requests", "queueDepth": "queue", "kvCacheUtilization": "kv-cache",
@@ -106,27 +114,9 @@ def router_storage(svc: LLMService, images: names.Images) -> volumes.Storage:
     return volumes.with_image(storage, images.kvflow, NON_ROOT)
 
 
-def _grpc_probe(period: int) -> Obj:
-    # GIE's EPP probes: gRPC health on its own plaintext port (kubelet probes speak no TLS).
-    return {"grpc": {"port": names.ROUTER_HEALTH_PORT, "service": names.ROUTER_HEALTH_SERVICE},
-            "periodSeconds": period}
-
-
 def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     name = names.child_name(svc, "router")
     config_text = yaml.safe_dump(router_config(svc), sort_keys=False)
-
-    account = new(svc, "v1", "ServiceAccount", name, "router")
-    role = new(svc, "rbac.authorization.k8s.io/v1", "Role", name, "router")
-    role["rules"] = [  # the router (and the gateway's embedded one) follow the pool's pods
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
-         "verbs": ["get", "list", "watch"]},
-    ]
-    binding = new(svc, "rbac.authorization.k8s.io/v1", "RoleBinding", name, "router")
-    binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
-    binding["subjects"] = [{"kind": "ServiceAccount", "name": name, "namespace": svc.namespace}]
-
     config = new(svc, "v1", "ConfigMap", name, "router")
     config["data"] = {names.ROUTER_CONFIG_FILE: config_text}
 
@@ -136,13 +126,9 @@ def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     container: Obj = {
         "name": "router", "image": images.kvflow, "command": command, "args": arguments,
         "env": [{"name": "PYTHONHASHSEED", "value": svc.spec.routing.hash_seed}],
-        "ports": [
-            {"name": "grpc", "containerPort": names.ROUTER_GRPC_PORT, "protocol": "TCP"},
-            {"name": "grpc-health", "containerPort": names.ROUTER_HEALTH_PORT, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": names.ROUTER_METRICS_PORT, "protocol": "TCP"},
-        ],
-        "readinessProbe": _grpc_probe(5),
-        "livenessProbe": _grpc_probe(10),
+        "ports": copy.deepcopy(PICKER_PORTS),
+        "readinessProbe": grpc_probe(5),
+        "livenessProbe": grpc_probe(10),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "volumeMounts": [mount, *storage.mounts],
         "securityContext": NON_ROOT,
@@ -155,31 +141,14 @@ def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     }
     if storage.init_containers:
         pod_spec["initContainers"] = list(storage.init_containers)
-    deployment = new(svc, "apps/v1", "Deployment", name, "router")
-    deployment["spec"] = {
-        "replicas": svc.spec.routing.replicas,
-        "selector": {"matchLabels": names.selector_labels(svc, "router")},
-        "template": {
-            "metadata": {
-                "labels": names.labels(svc, "router"),
-                # A config change restarts the router: it reads the file once at start.
-                "annotations": {"kvflow.io/config-hash": content_hash(config_text)},
-            },
-            "spec": pod_spec,
-        },
-    }
-    service = new(svc, "v1", "Service", name, "router")
-    plaintext = svc.spec.routing.tls.mode == "Disabled"
-    service["spec"] = {
-        "selector": names.selector_labels(svc, "router"),
-        "ports": [
-            {"name": "grpc", "port": names.ROUTER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
-             "appProtocol": "kubernetes.io/h2c" if plaintext else "http2"},
-            {"name": "grpc-health", "port": names.ROUTER_HEALTH_PORT, "targetPort": "grpc-health", "protocol": "TCP"},
-            {"name": "metrics", "port": names.ROUTER_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
-        ],
-    }
-    return [account, role, binding, config, deployment, service]
+    # The router (and the gateway's embedded one) follow the pool's pods.
+    return [*picker_rbac(svc, PICKER_RULES), config, picker_deployment(svc, pod_spec, config_text),
+            picker_service(svc)]
+
+
+def picker_objects(svc: LLMService, images: names.Images) -> list[Obj]:
+    """The InferencePool's endpoint picker: kvflow's router, or GIE's EPP (routing.picker)."""
+    return gie_objects(svc) if svc.spec.routing.picker == "gie" else router_objects(svc, images)
 
 
 def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:

@@ -67,6 +67,9 @@ def engine_flag(arg: str) -> str | None:
 
 
 KNOWN_SCORERS = frozenset({"prefix", "load", "kvCacheUtilization", "queueDepth", "lora"})
+# The Inference Extension's own endpoint picker (routing.picker gie), at the release whose
+# InferencePool (inference.networking.k8s.io/v1) and EndpointPickerConfig the operator renders.
+GIE_EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
 _SOURCE_RE = re.compile(r"^(hf|pvc|oci)://[^\s]+$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -246,6 +249,9 @@ class EndpointPickerTLS(_Model):
 
 
 class RoutingSpec(_Model):
+    # Which endpoint picker serves the InferencePool: kvflow's router, or GIE's EPP image.
+    picker: Literal["kvflow", "gie"] = "kvflow"
+    gie_image: Annotated[str, Field(alias="gieImage", min_length=1)] = GIE_EPP_IMAGE
     replicas: Annotated[int, Field(ge=1, le=16)] = 1
     scheduler_profile: Literal["pd", "prefix", "load", "random"] = "pd"
     scorer_weights: dict[str, Annotated[float, Field(ge=0)]] = Field(
@@ -266,6 +272,13 @@ class RoutingSpec(_Model):
         if value and not any(weight > 0 for weight in value.values()):
             raise ValueError("at least one scorer weight must be positive")
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _gie_checks_no_client_certificates(self) -> RoutingSpec:
+        if self.picker == "gie" and self.tls.client_ca_secret_name:
+            raise ValueError("routing.tls.clientCASecretName needs routing.picker kvflow: "
+                             "GIE's EPP does not check client certificates")
+        return self
 
 
 class ParentRef(_Model):
@@ -327,6 +340,12 @@ class LifecycleSpec(_Model):
     termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 60
 
 
+GIE_NO_PD = ("routing.picker gie does no prefill/decode disaggregation: set prefill.replicas to 0 "
+             "(no prefill autoscaling) and routing.schedulerProfile to prefix, load or random")
+GIE_NO_STANDALONE = ("routing.picker gie needs gateway.mode httpRoute or none: the standalone gateway "
+                     "routes with kvflow's router built in, and GIE's EPP answers an Inference Extension Gateway")
+
+
 class LLMServiceSpec(_Model):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
@@ -350,6 +369,11 @@ class LLMServiceSpec(_Model):
             for role in POOL_ROLES:  # an aggregated service (prefill.replicas 0) scales decode only
                 if self.pool(role).autoscaling is None and (role == "decode" or self.prefill.replicas > 0):
                     raise ValueError(f"autoscaling.mode {self.autoscaling.mode} needs {role}.autoscaling")
+        if self.routing.picker == "gie":
+            if self.disaggregated:
+                raise ValueError(GIE_NO_PD)
+            if self.gateway.mode == "standalone":
+                raise ValueError(GIE_NO_STANDALONE)
         return self
 
     def pool(self, role: PoolRole) -> PoolSpec:

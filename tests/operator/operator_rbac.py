@@ -14,12 +14,14 @@ import yaml
 from operator_emulator import AuditEntry
 from operator_tools import CHART, tool
 
-# Verbs the operator never calls but must hold to create each router's Role with them
+# Verbs the operator never calls but must hold to create each picker's Role with them
 # (Kubernetes' RBAC escalation check), and verbs used only on paths the e2e run does not take.
 GRANTED_FOR_DELEGATION = {
     ("", "pods", "get"), ("", "pods", "watch"),
     ("inference.networking.k8s.io", "inferencepools", "get"),
     ("inference.networking.k8s.io", "inferencepools", "watch"),
+    # GIE's EPP (routing.picker gie).
+    *(("inference.networking.x-k8s.io", "inferenceobjectives", v) for v in ("get", "list", "watch")),
 }
 GRANTED_FOR_OTHER_PATHS = {
     # HTTPRoute children (gateway.mode httpRoute), HPAs and KEDA ScaledObjects (autoscaling).

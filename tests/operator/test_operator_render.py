@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -238,6 +239,8 @@ def test_command_lines_parse_with_the_components(sample: str) -> None:
 
     objs = render(with_uid(load(sample)), IMAGES)
     for container in containers(objs, "router"):
+        if container["name"] == "epp":  # GIE's image (routing.picker gie): test_gie_epp_takes_the_pickers_place
+            continue
         assert container["command"] == ["kvflow"] and container["args"][0] == "router"
         parsed = router_parse(container["args"][1:])
         assert (parsed.host, parsed.port, parsed.metrics_port) == ("0.0.0.0", 9002, 9090)
@@ -445,3 +448,81 @@ def test_the_router_follows_every_data_parallel_rank() -> None:
         ("kv-events", 5557), ("kv-events-1", 5558)]  # vLLM binds port + rank for each rank
     config = load_config(config_file(objs, "llama-pd-router", "router.yaml"))
     assert config.kv_events_addresses(Endpoint("10.1.2.3", 8000)) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
+
+
+GIE = {"routing": {"picker": "gie", "schedulerProfile": "prefix"}, "prefill": {"replicas": 0},
+       "gateway": {"mode": "httpRoute", "parentRef": {"name": "inference-gateway"}}}
+PICKER_KINDS = {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"}
+
+
+def flag_values(arguments: list[str]) -> dict[str, str]:
+    """Go's flag syntax, as GIE's EPP parses it: ``--name value`` or ``--name=value``."""
+    out, rest = {}, list(arguments)
+    while rest:
+        name = rest.pop(0)
+        assert name.startswith("--"), name
+        key, sep, value = name[2:].partition("=")
+        out[key] = value if sep else rest.pop(0)
+    return out
+
+
+@pytest.mark.parametrize("tls", [{}, {"mode": "Secret", "secretName": "epp-tls"}, {"mode": "Disabled"}],
+                         ids=["self-signed", "secret", "plaintext"])
+def test_gie_epp_takes_the_pickers_place(tls: dict[str, Any]) -> None:
+    """Same name, Service, ports and probes as kvflow's router, so the InferencePool does not change."""
+    kvflow_body = load("sim.yaml")
+    kvflow_body["spec"] = merged(kvflow_body["spec"], {**GIE, "routing": {"schedulerProfile": "prefix", "tls": tls}})
+    gie_body = copy.deepcopy(kvflow_body)
+    gie_body["spec"]["routing"]["picker"] = "gie"
+    assert crd_errors(gie_body) == crd_errors(kvflow_body) == []
+    kvflow_objs, gie_objs = render(with_uid(kvflow_body), IMAGES), render(with_uid(gie_body), IMAGES)
+    for obj in gie_objs:
+        validate(obj)
+
+    def picker(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {o["kind"]: o for o in objs if o["metadata"]["name"] == "sim-llm-router"}
+
+    assert set(picker(gie_objs)) == set(picker(kvflow_objs)) == PICKER_KINDS
+    assert by_kind(gie_objs, "InferencePool", "sim-llm") == by_kind(kvflow_objs, "InferencePool", "sim-llm")
+    assert picker(gie_objs)["Service"] == picker(kvflow_objs)["Service"]
+    [epp], [router] = containers(gie_objs, "router"), containers(kvflow_objs, "router")
+    assert epp["image"] == "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
+    for key in ("ports", "readinessProbe", "livenessProbe"):
+        assert epp[key] == router[key]
+    flags = flag_values(epp["args"])
+    assert {k: flags[k] for k in ("pool-name", "pool-namespace", "grpc-port", "grpc-health-port", "metrics-port")} \
+        == {"pool-name": "sim-llm", "pool-namespace": "default", "grpc-port": "9002", "grpc-health-port": "9003",
+            "metrics-port": "9090"}
+    mounts = {m["mountPath"]: m["name"] for m in epp["volumeMounts"]}
+    pod = picker(gie_objs)["Deployment"]["spec"]["template"]["spec"]
+    configmap = next(v["configMap"]["name"] for v in pod["volumes"] if v["name"] == mounts["/config"])
+    config_name = flags["config-file"].removeprefix("/config/")
+    assert config_name in by_kind(gie_objs, "ConfigMap", configmap)["data"]
+    assert flags.get("secure-serving") == ("false" if tls.get("mode") == "Disabled" else None)
+    assert flags.get("cert-path") == ("/etc/kvflow/tls" if tls.get("mode") == "Secret" else None)
+    if "cert-path" in flags:
+        assert mounts[flags["cert-path"]] == "tls"
+    rules = picker(gie_objs)["Role"]["rules"]
+    assert picker(kvflow_objs)["Role"]["rules"] == rules[:2]  # GIE's adds InferenceObjectives, read-only
+    assert rules[2] == {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"],
+                        "verbs": ["get", "list", "watch"]}
+
+
+@pytest.mark.parametrize("routing, plugins", [
+    ({"schedulerProfile": "prefix"}, {"prefix-cache-scorer": 2, "queue-scorer": 1}),
+    ({"schedulerProfile": "prefix", "scorerWeights": {"prefix": 1.5, "load": 1, "queueDepth": 0.5, "lora": 1}},
+     {"prefix-cache-scorer": 15, "queue-scorer": 15, "lora-affinity-scorer": 10}),
+    ({"schedulerProfile": "load"}, {"queue-scorer": 1, "kv-cache-utilization-scorer": 1}),
+    ({"schedulerProfile": "random"}, {}),
+], ids=["default-weights", "fractional", "load", "random"])
+def test_gie_config_is_kvflows_scoring_in_gies_plugins(routing: dict[str, Any], plugins: dict[str, int]) -> None:
+    body = load("sim.yaml")
+    body["spec"] = merged(body["spec"], {**GIE, "routing": {"picker": "gie", **routing}})
+    config = config_file(render(with_uid(body), IMAGES), "sim-llm-router", "epp-config.yaml")
+    assert config["apiVersion"] == "inference.networking.x-k8s.io/v1alpha1"
+    assert config["kind"] == "EndpointPickerConfig"
+    [profile] = config["schedulingProfiles"]
+    picker = "max-score-picker" if plugins else "random-picker"
+    assert profile["plugins"][-1] == {"pluginRef": picker}
+    assert {p["pluginRef"]: p["weight"] for p in profile["plugins"][:-1]} == plugins
+    assert sorted(p["type"] for p in config["plugins"]) == sorted(["single-profile-handler", *plugins, picker])

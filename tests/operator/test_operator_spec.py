@@ -86,6 +86,14 @@ BAD_SPECS: dict[str, tuple[dict[str, Any], str, str]] = {
     "zero-min-replicas": ({"decode": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}},
                           "less than the minimum", "greater than or equal to 1"),
     "rollout-stuck": ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "cannot both be 0", "cannot both be 0"),
+    # GIE's EPP: no P/D, no standalone gateway (it embeds kvflow's router), no client certificates.
+    "gie-with-pd": ({"routing": {"picker": "gie"}, "gateway": {"mode": "none"}},
+                    "gie does no prefill/decode disaggregation", "gie does no prefill/decode disaggregation"),
+    "gie-standalone-gateway": ({"routing": {"picker": "gie", "schedulerProfile": "prefix"},
+                                "prefill": {"replicas": 0}}, "gie needs gateway.mode", "gie needs gateway.mode"),
+    "gie-mtls": ({"routing": {"picker": "gie", "schedulerProfile": "prefix", "tls": {"clientCASecretName": "ca"}},
+                  "prefill": {"replicas": 0}, "gateway": {"mode": "none"}},
+                 "does not check client certificates", "does not check client certificates"),
 }
 
 
