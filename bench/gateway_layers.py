@@ -33,15 +33,22 @@ ENV = "KVFLOW_LAYERS_ARGV"
 
 # --- upstream clients: the ConnectionPool interface Upstream uses --------------------------------
 
-class _AiohttpResponse:
+class _Response:
+    """What Upstream reads of a response: status, lower-cased headers, the content type."""
+
     def __init__(self, response: Any) -> None:
-        self._r = response
         self.status = response.status
         self.headers = {k.lower(): v for k, v in response.headers.items()}
 
     @property
     def content_type(self) -> str:
         return self.headers.get("content-type", "")
+
+
+class _AiohttpResponse(_Response):
+    def __init__(self, response: Any) -> None:
+        super().__init__(response)
+        self._r = response
 
     async def read(self, timeout: float | None = None) -> bytes:
         return bytes(await asyncio.wait_for(self._r.read(), timeout))
@@ -84,16 +91,11 @@ class AiohttpPool:
             asyncio.ensure_future(self._session.close())
 
 
-class _ReqwestResponse:
+class _ReqwestResponse(_Response):
     def __init__(self, request: Any, response: Any) -> None:
+        super().__init__(response)
         self._request, self._r = request, response
         self._reader = response.body_reader
-        self.status = response.status
-        self.headers = {k.lower(): v for k, v in response.headers.items()}
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "")
 
     async def read(self, timeout: float | None = None) -> bytes:
         return bytes(await asyncio.wait_for(self._reader.bytes(), timeout))
