@@ -93,10 +93,6 @@ def engine_pool_selector(svc: LLMService) -> dict[str, str]:
     return {LABEL_SERVICE: svc.name, LABEL_ENGINE: "true"}
 
 
-def router_host(svc: LLMService) -> str:
-    return f"{child_name(svc, 'router')}.{svc.namespace}.svc"
-
-
 # llm-d's layout for P/D behind an Envoy gateway: the decode pod's routing sidecar takes the
 # pool's target port and the engine moves this far up (8000 -> 8200).
 SIDECAR_ENGINE_PORT_OFFSET = 200
@@ -111,7 +107,3 @@ def engine_port(svc: LLMService, role: PoolRole) -> int:
     """The port the engine itself listens on (and serves /metrics on)."""
     port = svc.spec.engine.port
     return port + SIDECAR_ENGINE_PORT_OFFSET if uses_sidecar(svc, role) else port
-
-
-def role_of(component: str) -> PoolRole | None:
-    return component if component in ("prefill", "decode") else None  # type: ignore[return-value]

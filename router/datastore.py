@@ -9,8 +9,8 @@ finishing just bump the pod's ``LoadCounter``, which its view reads live.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from kvflow.router.model import DEFAULT_PREFILL_RATE, EndpointView, EngineMetrics, LoadCounter
 from kvflow.endpoints import Endpoint, EndpointId, Role
@@ -160,8 +160,3 @@ class Datastore:
     def view(self, endpoint_id: EndpointId) -> EndpointView | None:
         state = self._states.get(endpoint_id)
         return state.current() if state else None
-
-
-def with_metrics(views: Sequence[EndpointView], **changes: object) -> tuple[EndpointView, ...]:
-    """Test helper: the same views with metrics fields replaced."""
-    return tuple(replace(v, metrics=replace(v.metrics, **changes)) for v in views)  # type: ignore[arg-type]
