@@ -54,12 +54,13 @@ async def test_switching_the_picker_keeps_the_inference_pool(harness: Harness) -
     assert after is not None and after["spec"] == pool["spec"]
 
     # P/D with GIE's EPP (possible when CEL is bypassed) is refused; nothing changes.
-    before = h.k8s.read("apps/v1/deployments", NS, PICKER)["metadata"]["resourceVersion"]  # type: ignore[index]
+    # (the Deployment's spec is what the operator writes; its status moves with the emulated pods)
+    before = h.k8s.read("apps/v1/deployments", NS, PICKER)["spec"]  # type: ignore[index]
     await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"prefill": {"replicas": 1}}})
     await eventually(lambda: status(h).get("phase") == "Invalid", what="phase Invalid")
     degraded = next(c for c in status(h)["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True" and "gie does no prefill/decode disaggregation" in degraded["message"]
-    assert h.k8s.read("apps/v1/deployments", NS, PICKER)["metadata"]["resourceVersion"] == before  # type: ignore[index]
+    assert h.k8s.read("apps/v1/deployments", NS, PICKER)["spec"] == before  # type: ignore[index]
     assert not h.k8s.read("apps/v1/deployments", NS, f"{NAME}-prefill")
 
     # And back to kvflow's router, which takes P/D again.
