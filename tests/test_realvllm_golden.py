@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -24,6 +23,7 @@ import msgspec
 import pytest
 
 from kvflow.hashing import hash_request_tokens, to_external
+from kvflow.local.procs import stop_process_group
 
 GOLDEN = Path(__file__).parent / "golden"
 EVENTS = json.loads((GOLDEN / "vllm_kv_events.json").read_text())
@@ -335,9 +335,4 @@ def test_live_server_publishes_the_hashes_kvflow_computes(tmp_path: Path) -> Non
     finally:
         sub.close(0)
         ctx.term()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, grace=30)

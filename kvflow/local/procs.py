@@ -115,12 +115,7 @@ class ProcessGroup:
 
     def stop(self, child: Child, *, grace: float = 5.0, sig: int = signal.SIGTERM) -> None:
         if child.alive():
-            _signal_group(child.popen.pid, sig)
-            try:
-                child.popen.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(child.popen.pid, signal.SIGKILL)
-                child.popen.wait(timeout=5)
+            stop_process_group(child.popen, grace=grace, sig=sig)
         else:
             _signal_group(child.popen.pid, signal.SIGKILL)  # anything it left behind
 
@@ -157,6 +152,17 @@ def signals_deferred() -> Iterator[None]:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         if caught:
             signal.raise_signal(caught[0])
+
+
+def stop_process_group(popen: subprocess.Popen[bytes], *, grace: float = 5.0, sig: int = signal.SIGTERM) -> None:
+    """Signal a child started with ``start_new_session=True`` and its whole process group, wait
+    ``grace`` seconds, then SIGKILL the group."""
+    _signal_group(popen.pid, sig)
+    try:
+        popen.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _signal_group(popen.pid, signal.SIGKILL)
+        popen.wait(timeout=5)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
 from kvflow.local import realvllm as r  # noqa: E402
+from kvflow.local.procs import stop_process_group  # noqa: E402
 
 out_dir, algo, seed, port, evport = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 full = "--full" in sys.argv
@@ -229,10 +229,5 @@ try:
     print(f"frames {len(frames)} replay {len(replay)}", flush=True)
 finally:
     stop.set()
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_process_group(proc, grace=30)
     print(f"stopped; total {time.time() - t0:.0f}s", flush=True)

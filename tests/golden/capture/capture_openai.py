@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "conformance"))
 from cases import CASES, MODEL, Case  # noqa: E402
 
 from kvflow.local import realvllm  # noqa: E402
+from kvflow.local.procs import stop_process_group  # noqa: E402
 
 VLLM_ARGS = ["--num-gpu-blocks-override", "48", "--enable-server-load-tracking"]
 
@@ -128,12 +127,7 @@ def start_vllm(port: int, log_path: Path) -> subprocess.Popen[bytes]:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_process_group(proc, grace=30)
 
 
 def main() -> None:
