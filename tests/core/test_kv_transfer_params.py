@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 from typing import Any
@@ -100,17 +99,3 @@ def test_params_must_be_an_object() -> None:
 def test_a_prefill_answer_a_decode_pod_cannot_pull_with_is_refused(change: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidKvTransferParams, match=message):
         parse_prefill_answer({**ANSWER, **change})
-
-
-COMPONENTS = {"router", "gateway", "sim", "operator", "beam", "sidecar", "local"}
-
-
-def test_the_protocol_package_imports_no_component() -> None:
-    for path in (ROOT / "kvflow" / "protocol").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            for name in names:
-                parts = name.split(".")
-                assert not (parts[0] == "kvflow" and len(parts) > 1 and parts[1] in COMPONENTS), \
-                    f"{path.name} imports {name}"
