@@ -59,7 +59,8 @@ from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.hashing import hash_fn, hash_request_tokens, none_hash, to_external
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.block_table import BlockTable
-from kvflow.router.kv_events import BlockRemoved, BlockStored, KvEvent, apply, decode_batch
+from kvflow.protocol.kv_events import BlockRemoved, BlockStored, KvEvent, decode_batch
+from kvflow.router.kv_events import apply
 from kvflow.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvflow.protocol import kv_events as wire
 

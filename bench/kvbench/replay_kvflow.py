@@ -23,7 +23,8 @@ from kvflow.endpoints import Endpoint
 from kvflow.errors import RateLimitError
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.flight import Flight
-from kvflow.router.kv_events import apply, decode_batch
+from kvflow.protocol.kv_events import decode_batch
+from kvflow.router.kv_events import apply
 from kvflow.protocol.kv_events import KVEventBatch
 from kvflow.sim.profiles import Profile
 

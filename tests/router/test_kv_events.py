@@ -13,16 +13,8 @@ import zmq.asyncio
 from kvflow.router import kv_events
 from kvflow.hashing import hash_request_tokens, to_external
 from kvflow.router import Router, SchedulingRequest, load_config
-from kvflow.protocol.kv_events import AllBlocksCleared
-from kvflow.router.kv_events import (
-    BadEvent,
-    BlockRemoved,
-    BlockStored,
-    KvEventSubscriber,
-    apply,
-    decode_batch,
-    stored_fingerprints,
-)
+from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, decode_batch
+from kvflow.router.kv_events import KvEventSubscriber, apply, stored_fingerprints
 from kvflow.router.prefix_index import PrefixIndex
 from kvflow.endpoints import Endpoint, EndpointId
 

@@ -8,7 +8,8 @@ import pytest
 
 from kvflow.hashing import hash_request_tokens, to_external
 from kvflow.router.fingerprint import Fingerprinter, request_keys
-from kvflow.router.kv_events import BlockStored, apply
+from kvflow.protocol.kv_events import BlockStored
+from kvflow.router.kv_events import apply
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, longest_prefixes
 from kvflow.endpoints import EndpointId
 
