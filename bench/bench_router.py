@@ -55,6 +55,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.hashing import hash_fn, hash_request_tokens, none_hash, to_external
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
@@ -76,15 +78,23 @@ def endpoints(n: int) -> list[Endpoint]:
 
 
 def build(n_endpoints: int, blocks: int, tokens: list[int]) -> Router:
-    """The default config and profile; every endpoint has published KV events."""
+    """The default config and profile; every endpoint has published KV events, reported its KV
+    capacity (as vLLM's ``cache_config_info`` does) and been sent requests that touched its blocks
+    lately, so it is full: the TTFT scorer weighs what a new prefix would evict on every pod."""
     eps = endpoints(n_endpoints)
     router = Router(load_config({}), eps)
     router.event_sources.update(ep.id for ep in eps)
     rng = random.Random(0)
     ids = [ep.id for ep in eps]
     per = max(1, blocks // n_endpoints)
+    now = time.monotonic()  # the router's clock
     for eid in ids:
-        router.precise.add(eid, [rng.getrandbits(64) for _ in range(per)], [rng.getrandbits(64) for _ in range(per)])
+        fingerprints = [rng.getrandbits(64) for _ in range(per)]
+        router.precise.add(eid, fingerprints, [rng.getrandbits(64) for _ in range(per)])
+        router.datastore.record_scrape(eid, EngineMetrics(num_blocks=per, block_size=16), now)
+        counter = router.datastore.counter(eid)
+        assert counter is not None
+        counter.touched(np.array(fingerprints, dtype=np.uint64), now)
     hashes = tuple(to_external(h) for h in hash_request_tokens(tokens, 16))
     half = len(hashes) // 2
     for i, eid in enumerate(ids[:16]):

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvflow.hashing import HASH_ALGOS
 from kvflow.router.plugins import REGISTRY, validate
+from kvflow.router.working_set import DEFAULT_WINDOW
 from kvflow.endpoints import Endpoint, Role, parse_host_port
 
 
@@ -185,6 +186,8 @@ class RouterConfig(_Strict):
     max_prompt_tokens: int | None = Field(default=None, alias="maxPromptTokens", gt=0)
     """Longest prompt scheduled (a 400 beyond); by default the pods' context length when the
     gateway learns it from ``/v1/models``, else ``DEFAULT_MAX_PROMPT_TOKENS``."""
+    working_set_window: float = Field(default=DEFAULT_WINDOW, alias="workingSetSeconds", gt=0)
+    """A pod's cache in use: the prompt blocks its requests touched in this many seconds."""
     prefill_rate: float = Field(default=20_000.0, alias="prefillTokensPerSecond", gt=0)
     """A pod's prefill speed until its first tokens are observed (its queue drains at this rate)."""
     approx_capacity: int = Field(default=8192, alias="approxCapacityBlocks", gt=0)

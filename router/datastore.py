@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvflow.router.model import DEFAULT_PREFILL_RATE, EndpointView, EngineMetrics, LoadCounter
+from kvflow.router.working_set import DEFAULT_WINDOW, WorkingSet
 from kvflow.endpoints import Endpoint, EndpointId, Role
 
 
@@ -44,9 +45,14 @@ Listener = Callable[[Endpoint, bool], None]
 
 
 class Datastore:
-    def __init__(self, endpoints: Iterable[Endpoint] = (), *, prefill_rate: float = DEFAULT_PREFILL_RATE) -> None:
+    def __init__(
+        self, endpoints: Iterable[Endpoint] = (), *, prefill_rate: float = DEFAULT_PREFILL_RATE,
+        block_size: int = 16, working_set_window: float = DEFAULT_WINDOW,
+    ) -> None:
         self.prefill_rate = prefill_rate
         """A new pod's prefill rate (tokens/s) until the router observes its own."""
+        self.block_size = block_size
+        self.working_set_window = working_set_window
         self._states: dict[EndpointId, _State] = {}
         self._snapshot: tuple[EndpointView, ...] | None = None
         self._by_role: tuple[list[EndpointView], list[EndpointView]] | None = None
@@ -74,7 +80,9 @@ class Datastore:
         for eid, ep in wanted.items():
             state = self._states.get(eid)
             if state is None:
-                self._states[eid] = _State(ep, EngineMetrics(), counter=LoadCounter(default_rate=self.prefill_rate))
+                counter = LoadCounter(default_rate=self.prefill_rate,
+                                      working_set=WorkingSet(self.block_size, self.working_set_window))
+                self._states[eid] = _State(ep, EngineMetrics(), counter=counter)
                 self._notify(ep, True)
             elif state.endpoint != ep:
                 state.endpoint = ep  # role or models changed: same pod, same cache
@@ -97,6 +105,7 @@ class Datastore:
             return
         state.last_ok = now
         state.counter.scraped(metrics)  # the metrics now include what was sent before
+        state.counter.aged(now)
         if state.metrics == metrics and state.scrape_ok and not state.marked_failed:
             return  # nothing the scorers read changed: keep the view (and the snapshot)
         state.metrics = metrics

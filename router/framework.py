@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,11 +132,12 @@ class Profile:
             if not got:  # the scorer abstains: it would score every endpoint alike
                 continue
             by_scorer[scorer.name] = got
-            get = got.get
             # Each total is summed in scorer order: the same floats whatever the endpoint count.
-            for i, eid in enumerate(ids):
-                s = get(eid, 0.0)  # a missing endpoint scores 0, and scores are clamped to [0, 1]
-                totals[i] += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+            # A missing endpoint scores 0, and scores are clamped to [0, 1].
+            totals = [
+                t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                for t, s in zip(totals, map(got.get, ids, repeat(0.0)))
+            ]
         scores = _PerEndpoint(by_scorer, ids)
         ordered = self.picker.pick(cycle, list(zip(candidates, totals)))
         return ProfileRun(self.name, tuple(ordered), dict(zip(ids, totals)), scores, filtered)

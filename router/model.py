@@ -10,12 +10,16 @@ starting or finishing a request does not rebuild the snapshot.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
+
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.protocol.vllm_metrics import EngineMetrics as EngineMetrics  # the router's API names it
+from kvflow.router.working_set import WorkingSet
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 
@@ -95,6 +99,13 @@ class LoadCounter:
     kv_base: float = 0.0
     """``kv_usage`` is ``kv_base + tokens * kv_per_token``: the scraped usage, moved by the KV sent since."""
     kv_per_token: float = 0.0
+    kv_capacity: int = 0
+    """Tokens the pod's KV cache holds, as it reports (``num_gpu_blocks`` x block size); 0: unknown."""
+    working_set: WorkingSet = field(default_factory=WorkingSet)
+    """The distinct prompt tokens the requests sent here touched lately: the cache in use."""
+    room: float = math.inf
+    """KV tokens the pod can store without evicting any in use: its capacity less its working
+    set (inf while it has not reported its capacity)."""
 
     @property
     def rate(self) -> float:
@@ -149,8 +160,23 @@ class LoadCounter:
             0, metrics.running + metrics.waiting - self.in_flight_at_scrape - self.foreign_waiting
         )
         capacity = (metrics.num_blocks or 0) * (metrics.block_size or 0)
+        self.kv_capacity = capacity
         self.kv_per_token = 1.0 / capacity if capacity > 0 else 0.0
         self.kv_base = metrics.kv_usage - self.tokens_at_scrape * self.kv_per_token
+        self._room()
+
+    def touched(self, fingerprints: np.ndarray, now: float) -> None:
+        """A request sent here at ``now`` reads or stores these prompt blocks."""
+        self.working_set.touch(fingerprints, now)
+        self._room()
+
+    def aged(self, now: float) -> None:
+        """Blocks not touched for the working set's window no longer count as in use."""
+        self.working_set.expire(now)
+        self._room()
+
+    def _room(self) -> None:
+        self.room = self.kv_capacity - self.working_set.tokens if self.kv_capacity > 0 else math.inf
 
 
 @dataclass(frozen=True, slots=True, init=False)

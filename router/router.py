@@ -107,7 +107,10 @@ class Router:
         self.profile = profile
         self._hooks = [p for p in plugins if isinstance(p, StartedHook)]
         self.policy = PdPolicy(config.pd_enabled, config.pd_threshold)
-        self.datastore = Datastore(endpoints or config.endpoints, prefill_rate=config.prefill_rate)
+        self.datastore = Datastore(
+            endpoints or config.endpoints, prefill_rate=config.prefill_rate, block_size=config.block_size,
+            working_set_window=config.working_set_window,
+        )
         self.metrics = RouterMetrics(config.pool_name)
         self.log = DecisionLog()
         # Fingerprints computed while scheduling, reused when the request starts (approx index
@@ -254,8 +257,12 @@ class Router:
             nonlocal learned
             if blocks is not None:
                 learned = learned if learned is not None else blocks()
+                now = self._clock()
                 self.approx.add(endpoint.id, learned)
-                self.speculative.add(endpoint.id, learned, self._clock())
+                self.speculative.add(endpoint.id, learned, now)
+                counter = self.datastore.counter(endpoint.id)
+                if counter is not None and hashes is not None:
+                    counter.touched(hashes.array, now)
             if not prefill:
                 for hook in self._hooks:
                     hook.request_started(request, _served_by(result, endpoint))

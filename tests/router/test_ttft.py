@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvflow.endpoints import Endpoint
@@ -20,6 +21,10 @@ def pods(n: int) -> list[Endpoint]:
     return [Endpoint(f"127.0.0.{i + 2}", 8000) for i in range(n)]
 
 
+def random_blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**64, size=n, dtype=np.uint64)
+
+
 def run(
     cached: dict[int, int],
     *,
@@ -29,6 +34,9 @@ def run(
     speed: dict[int, float] | None = None,
     n: int = 3,
     copy_weight: float = 0.0,
+    evict_weight: float = 0.0,
+    working_set: dict[int, int] | None = None,
+    capacity: int | None = None,
 ) -> dict[int, float]:
     """Estimates (tokens of work, or seconds once speeds are known) per pod index."""
     eps = pods(n)
@@ -37,7 +45,8 @@ def run(
     for i, blocks in cached.items():
         precise.add(eps[i].id, hashes[:blocks])
     ctx = PluginContext(ApproxPrefixIndex(), precise, None, {ep.id for ep in eps}, STEP)
-    scorer = build("ttft", "ttft-scorer", {"copyWeight": copy_weight}, ctx)[1]
+    params = {"copyWeight": copy_weight, "evictWeight": evict_weight}
+    scorer = build("ttft", "ttft-scorer", params, ctx)[1]
     views = []
     for i, ep in enumerate(eps):
         counter = LoadCounter(default_rate=1.0)  # a token a second; the clock stands still, nothing drains
@@ -46,7 +55,9 @@ def run(
         counter.in_flight = counter.prefilling = 1 if queued and i in queued else 0
         counter.in_flight += (decoding or {}).get(i, 0)
         counter.seconds_per_token = (speed or {}).get(i, 0.0)
-        metrics = EngineMetrics(waiting=(waiting or {}).get(i, 0))
+        if working_set and i in working_set:  # requests sent there lately touched these blocks
+            counter.touched(random_blocks(working_set[i], seed=i), now=0.0)
+        metrics = EngineMetrics(waiting=(waiting or {}).get(i, 0), num_blocks=capacity, block_size=16)
         counter.observe(metrics)  # as a scrape taken before this router sent anything would
         views.append(EndpointView(ep, metrics, counter=counter))
     request = SchedulingRequest("r", "m", PROMPT)
@@ -82,6 +93,21 @@ def test_copying_a_prefix_another_pod_holds_costs_the_capacity_it_takes() -> Non
                                                               2: 512 + 480 + STEP}
     est = run({0: 30}, queued={0: 2000}, copy_weight=1.0)  # a busy home: the copy is worth it
     assert min(est, key=est.__getitem__) != 0
+
+
+def test_a_new_prefix_goes_where_it_evicts_nothing_in_use() -> None:
+    # pods of 1,000 blocks; pod 0's requests lately touched ~1,200 blocks, pod 1's ~100: the 512
+    # new tokens would push in-use blocks out of pod 0 (all 512 count: no more than are stored)
+    est = run({}, capacity=1000, working_set={0: 1200, 1: 100}, evict_weight=1.0)
+    assert est == {0: 2 * 512 + STEP, 1: 512 + STEP, 2: 512 + STEP}
+    # a pod that does not report its capacity is charged nothing
+    assert run({}, working_set={0: 5000}, evict_weight=1.0)[0] == 512 + STEP
+
+
+def test_a_cached_prefix_stays_home_on_a_full_pod() -> None:
+    # pod 0 holds the prefix and is full of in-use blocks: its 32 new tokens evict at most 32
+    est = run({0: 30}, capacity=1000, working_set={0: 5000, 1: 100}, evict_weight=1.0)
+    assert est[0] == 2 * 32 + STEP < est[1] == 512 + STEP
 
 
 def test_other_routers_waiting_requests_count_at_the_mean_work() -> None:

@@ -1,0 +1,77 @@
+"""A pod's working set: the distinct prompt tokens its requests touched lately, by hash sampling."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvflow.endpoints import Endpoint
+from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
+from kvflow.router.model import LoadCounter
+from kvflow.router.working_set import WorkingSet
+
+
+def blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**64, size=n, dtype=np.uint64)
+
+
+def test_it_estimates_how_many_distinct_tokens_were_touched() -> None:
+    ws = WorkingSet(block_size=16, window=10.0)
+    assert ws.tokens == 0
+    ws.touch(blocks(4000, seed=1), now=0.0)
+    assert ws.tokens == pytest.approx(4000 * 16, rel=0.1)
+
+
+def test_a_shared_prefix_counts_once_however_many_requests_touch_it() -> None:
+    ws = WorkingSet(block_size=16, window=10.0)
+    prefix = blocks(4000, seed=1)
+    for i in range(10):
+        ws.touch(np.concatenate([prefix, blocks(100, seed=100 + i)]), now=float(i))
+    assert ws.tokens == pytest.approx(5000 * 16, rel=0.1)
+
+
+def test_blocks_not_touched_within_the_window_leave_it() -> None:
+    ws = WorkingSet(block_size=16, window=10.0)
+    old, recent = blocks(2000, seed=1), blocks(2000, seed=2)
+    ws.touch(old, now=0.0)
+    ws.touch(recent, now=8.0)
+    assert ws.tokens == pytest.approx(4000 * 16, rel=0.1)
+    ws.expire(now=12.0)  # `old` is 12 s old
+    assert ws.tokens == pytest.approx(2000 * 16, rel=0.1)
+    ws.touch(recent, now=20.0)  # touching again keeps a block in
+    ws.expire(now=25.0)
+    assert ws.tokens == pytest.approx(2000 * 16, rel=0.1)
+    ws.expire(now=31.0)
+    assert ws.tokens == 0
+
+
+def test_room_is_the_capacity_the_working_set_leaves() -> None:
+    counter = LoadCounter(working_set=WorkingSet(block_size=16, window=10.0))
+    counter.working_set.touch(blocks(600, seed=1), now=0.0)
+    assert counter.room == math.inf  # capacity unknown: never full
+    counter.observe(EngineMetrics(num_blocks=1000, block_size=16))
+    assert counter.room == 16_000 - counter.working_set.tokens
+    assert counter.room == pytest.approx(400 * 16, abs=150 * 16)
+    counter.aged(now=11.0)  # a scrape ages the working set out
+    assert counter.room == 16_000
+
+
+def test_the_router_counts_what_it_sends_to_a_pod_in_its_working_set() -> None:
+    pods = [Endpoint("127.0.0.2", 8000), Endpoint("127.0.0.3", 8000)]
+    now = [0.0]
+    router = Router(load_config({"kvEvents": {"enabled": False}, "workingSetSeconds": 5}), pods,
+                    clock=lambda: now[0])
+    for pod in pods:
+        router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=10_000, block_size=16), 0.0)
+    prompt = list(range(16 * 4000))
+    result = router.schedule(SchedulingRequest("r", "m", prompt))
+    router.request_started(SchedulingRequest("r", "m", prompt), result)
+    sent, other = (router.datastore.counter(p.id) for p in (result.targets[0], result.targets[1]))
+    assert sent is not None and other is not None
+    assert sent.working_set.tokens == pytest.approx(len(prompt), rel=0.1)
+    assert other.working_set.tokens == 0
+    now[0] = 6.0
+    router.datastore.record_scrape(result.targets[0].id, EngineMetrics(num_blocks=10_000, block_size=16), 6.0)
+    assert sent.working_set.tokens == 0 and sent.room == 160_000
