@@ -6,7 +6,9 @@ import copy
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
+
+import yaml
 
 from kvflow.operator import names
 from kvflow.operator.spec import API_VERSION, KIND, LLMService
@@ -60,6 +62,25 @@ def new(svc: LLMService, api_version: str, kind: str, name: str, component: name
     if svc.uid:  # a rendered-from-file object has no owner yet; the handlers always know it
         meta["ownerReferences"] = [owner_reference(svc)]
     return {"apiVersion": api_version, "kind": kind, "metadata": meta}
+
+
+class ConfigFile(NamedTuple):
+    """A component's config file: its text, the ConfigMap that holds it, and the pod's volume and mount."""
+
+    text: str
+    config_map: Obj
+    volume: Obj
+    mount: Obj
+
+
+def config_file(svc: LLMService, name: str, component: names.Component, file_name: str, data: Any,
+                mount_path: str) -> ConfigFile:
+    """``data`` as YAML in ConfigMap ``name`` under ``file_name``, mounted read-only at ``mount_path``."""
+    text = yaml.safe_dump(data, sort_keys=False)
+    config_map = new(svc, "v1", "ConfigMap", name, component)
+    config_map["data"] = {file_name: text}
+    return ConfigFile(text, config_map, {"name": "config", "configMap": {"name": name}},
+                      {"name": "config", "mountPath": mount_path, "readOnly": True})
 
 
 def content_hash(value: Any) -> str:

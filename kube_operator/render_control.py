@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import yaml
-
 from kvflow.operator import args, names, volumes
-from kvflow.operator.objects import Obj, content_hash, new
+from kvflow.operator.objects import Obj, config_file, content_hash, new
 from kvflow.operator.render_picker import (
     PICKER_PORTS,
     PICKER_RULES,
@@ -93,11 +91,6 @@ def _batch_volume(svc: LLMService) -> tuple[Obj, Obj, Obj | None]:
     return {"name": "batches", **source}, {"name": "batches", "mountPath": BATCH_DIR}, affinity
 
 
-def _config_volume(name: str) -> tuple[Obj, Obj]:
-    return ({"name": "config", "configMap": {"name": name}},
-            {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True})
-
-
 def _secret_storage(volume: str, secret: str, path: str) -> volumes.Storage:
     return volumes.Storage(({"name": volume, "secret": {"secretName": secret}},),
                            ({"name": volume, "mountPath": path, "readOnly": True},))
@@ -116,12 +109,9 @@ def router_storage(svc: LLMService, images: names.Images) -> volumes.Storage:
 
 def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     name = names.child_name(svc, "router")
-    config_text = yaml.safe_dump(router_config(svc), sort_keys=False)
-    config = new(svc, "v1", "ConfigMap", name, "router")
-    config["data"] = {names.ROUTER_CONFIG_FILE: config_text}
-
+    config_text, config, volume, mount = config_file(svc, name, "router", names.ROUTER_CONFIG_FILE,
+                                                     router_config(svc), names.CONFIG_DIR)
     command, arguments = args.router(svc)
-    volume, mount = _config_volume(name)
     storage = router_storage(svc, images)
     container: Obj = {
         "name": "router", "image": images.kvflow, "command": command, "args": arguments,
@@ -158,11 +148,9 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     if gateway.mode == "httpRoute":
         return [http_route(svc)]
     name = names.child_name(svc, "gateway")
-    config_text = yaml.safe_dump(gateway_config(svc), sort_keys=False)
-    config = new(svc, "v1", "ConfigMap", name, "gateway")
-    config["data"] = {names.GATEWAY_CONFIG_FILE: config_text}
+    config_text, config, volume, mount = config_file(svc, name, "gateway", names.GATEWAY_CONFIG_FILE,
+                                                     gateway_config(svc), names.CONFIG_DIR)
     command, arguments = args.gateway(svc)
-    volume, mount = _config_volume(name)
     storage = volumes.with_image(volumes.tokenizer_storage(svc)[0], images.kvflow, NON_ROOT)
     batch_volume, batch_mount, affinity = _batch_volume(svc)
     deployment = new(svc, "apps/v1", "Deployment", name, "gateway")

@@ -10,10 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import yaml
-
 from kvflow.operator import args, names
-from kvflow.operator.objects import Obj, content_hash, new
+from kvflow.operator.objects import Obj, config_file, content_hash, new
 from kvflow.operator.render_pools import NON_ROOT
 from kvflow.operator.spec import LLMService
 
@@ -156,11 +154,10 @@ def gie_args(svc: LLMService) -> list[str]:
 def gie_objects(svc: LLMService) -> list[Obj]:
     """GIE's EPP in the picker's place: RBAC, its config, Deployment and Service."""
     name = names.child_name(svc, "router")
-    config_text = yaml.safe_dump(gie_config(svc), sort_keys=False)
-    config = new(svc, "v1", "ConfigMap", name, "router")
-    config["data"] = {GIE_CONFIG_FILE: config_text}
-    volumes: list[Obj] = [{"name": "config", "configMap": {"name": name}}]
-    mounts: list[Obj] = [{"name": "config", "mountPath": GIE_CONFIG_DIR, "readOnly": True}]
+    config_text, config, volume, mount = config_file(svc, name, "router", GIE_CONFIG_FILE, gie_config(svc),
+                                                     GIE_CONFIG_DIR)
+    volumes: list[Obj] = [volume]
+    mounts: list[Obj] = [mount]
     tls = svc.spec.routing.tls
     if tls.mode == "Secret" and tls.secret_name:
         volumes.append({"name": "tls", "secret": {"secretName": tls.secret_name}})
