@@ -104,8 +104,7 @@ class Datastore:
         if state is None:
             return
         state.last_ok = now
-        state.counter.scraped(metrics)  # the metrics now include what was sent before
-        state.counter.aged(now)
+        state.counter.scraped(metrics, now)  # the metrics now include what was sent before
         if state.metrics == metrics and state.scrape_ok and not state.marked_failed:
             return  # nothing the scorers read changed: keep the view (and the snapshot)
         state.metrics = metrics

@@ -145,8 +145,10 @@ class LoadCounter:
         usage = self.kv_base + self.tokens * self.kv_per_token
         return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else usage
 
-    def scraped(self, metrics: EngineMetrics) -> None:
-        """The metrics now include everything sent so far: tell this router's load from others'."""
+    def scraped(self, metrics: EngineMetrics, now: float) -> None:
+        """The metrics now include everything sent so far: tell this router's load from others',
+        and age the working set (blocks not touched for its window no longer count as in use)."""
+        self.working_set.expire(now)
         self.dispatched = 0
         self.in_flight_at_scrape = self.in_flight
         self.prefilling_at_scrape = self.prefilling
@@ -168,11 +170,6 @@ class LoadCounter:
     def touched(self, fingerprints: np.ndarray, now: float) -> None:
         """A request sent here at ``now`` reads or stores these prompt blocks."""
         self.working_set.touch(fingerprints, now)
-        self._room()
-
-    def aged(self, now: float) -> None:
-        """Blocks not touched for the working set's window no longer count as in use."""
-        self.working_set.expire(now)
         self._room()
 
     def _room(self) -> None:

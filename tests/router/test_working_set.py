@@ -54,7 +54,7 @@ def test_room_is_the_capacity_the_working_set_leaves() -> None:
     counter.observe(EngineMetrics(num_blocks=1000, block_size=16))
     assert counter.room == 16_000 - counter.working_set.tokens
     assert counter.room == pytest.approx(400 * 16, abs=150 * 16)
-    counter.aged(now=11.0)  # a scrape ages the working set out
+    counter.scraped(EngineMetrics(num_blocks=1000, block_size=16), now=11.0)  # a scrape ages it out
     assert counter.room == 16_000
 
 
