@@ -14,6 +14,8 @@ writes ``bench/out/routing-<workload>.png`` and ``bench/out/routing.json``.
     python bench/bench_routing.py                       # everything, ~40 min on 2 cores
     python bench/bench_routing.py --workloads a --routers kvflow sglang:cache_aware --duration 10
     python bench/bench_routing.py --workloads a --routers kvflow kvflow:prefix-approx --rates 8 12 16
+    python bench/bench_routing.py --workloads a b c --routers kvflow sglang:cache_aware sglang:round_robin \\
+        --factors 1.0 --seeds 0 1 2                     # means over three traces, ~45 min
 
 Peers come from the ``bench`` extra (``pip install -e '.[bench]'``); a missing one is installed
 on first use, or skipped with the reason.
@@ -49,7 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--factors", nargs="+", type=float, default=[0.5, 0.75, 1.0, 1.25],
                    help="rates as multiples of round-robin's saturation rate on the replay")
     p.add_argument("--rates", nargs="+", type=float, default=[], help="explicit request rates (req/s) instead")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0],
+                   help="workload seeds (traces); with several, a last table gives the means over seeds "
+                        "(default: %(default)s)")
     p.add_argument("--out", type=Path, default=OUT, help="where the PNGs and routing.json go")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--nice", type=int, default=-5 if os.geteuid() == 0 else 0,
@@ -77,16 +81,26 @@ def print_outcome(outcome: Outcome) -> None:
 async def main_async(args: argparse.Namespace) -> list[Outcome]:
     for name in args.routers:
         routers.RouterSpec.parse(name)  # a typo fails before any pod starts
-    opts = Options(duration=args.duration, factors=tuple(args.factors), rates=tuple(args.rates), seed=args.seed,
-                   log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet)
     outcomes = []
     for name in args.workloads:
-        outcome = await bench_workload(WORKLOADS[name], args.routers, opts)
-        outcomes.append(outcome)
-        print_outcome(outcome)
-        report.plot(outcome.rows, f"workload {name}: {describe(WORKLOADS[name])}", args.out / f"routing-{name}.png")
-        sys.stdout.flush()
+        for seed in args.seeds:
+            opts = Options(duration=args.duration, factors=tuple(args.factors), rates=tuple(args.rates), seed=seed,
+                           log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet)
+            outcome = await bench_workload(WORKLOADS[name], args.routers, opts)
+            outcomes.append(outcome)
+            print_outcome(outcome)
+            report.plot(outcome.rows, f"workload {name}: {describe(WORKLOADS[name])}" + (f", seed {seed}" if seed else ""),
+                        args.out / plot_name(name, seed, args.seeds))
+            sys.stdout.flush()
+    if len(args.seeds) > 1:
+        print(f"\n### means over seeds {', '.join(map(str, args.seeds))}, at round-robin's saturation rate\n")
+        print(report.summary([r for o in outcomes for r in o.rows if r.rate == saturation_row_rate(o)]))
     return outcomes
+
+
+def plot_name(workload: str, seed: int, seeds: list[int]) -> str:
+    """``routing-<workload>.png`` for the first seed, ``routing-<workload>-seed<N>.png`` for the others."""
+    return f"routing-{workload}.png" if seed == seeds[0] else f"routing-{workload}-seed{seed}.png"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "routing.json").write_text(json.dumps(
-        [{"workload": o.workload.name, "saturation": o.saturation, "rates": o.rates, "skipped": o.skipped,
+        [{"workload": o.workload.name, "seed": o.seed, "saturation": o.saturation, "rates": o.rates, "skipped": o.skipped,
           "rows": [asdict(r) for r in o.rows]} for o in outcomes], indent=1, default=str))
-    print(f"\nplots: {', '.join(str(args.out / f'routing-{o.workload.name}.png') for o in outcomes)}")
+    print(f"\nplots: {', '.join(str(args.out / plot_name(o.workload.name, o.seed, args.seeds)) for o in outcomes)}")
     return 0
 
 

@@ -19,6 +19,7 @@ and the text tokenized without special tokens unless the request asks for them.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -148,8 +149,10 @@ def _compile(source: str) -> jinja2.Template:
 
 # -- tokenizers ---------------------------------------------------------------------------------------
 _PIECE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
-_WORDS = re.compile(r"[\w ]*")
-"""Text that is only words and spaces: with single spaces, ``_PIECE`` splits it at the spaces."""
+_WORD_OR_SPACE = bytes(c for c in range(128) if chr(c).isalnum()) + b"_ "
+"""ASCII word characters and the space: in text made of only these, with single spaces,
+``_PIECE``'s pieces are the words (checked with ``bytes.translate``, cheaper than a regex)."""
+_MISSING = itertools.repeat(0)
 _SPECIAL = ("<unk>", "<s>", "</s>")
 
 
@@ -169,12 +172,18 @@ class BuiltinTokenizer:
 
     MAX_KNOWN = 1 << 16
     """Pieces whose ids are remembered (a plain dict: a lookup costs a tenth of a BLAKE2b)."""
+    CHUNK = 2048
+    """Plain text is tokenized in chunks of about this many characters, cut before a space."""
+    MAX_CHUNKS = 4096
+    """Chunks whose ids are remembered: prompts that share a prefix share its chunks, so a long
+    system prompt seen before costs a dict lookup per chunk instead of one per word."""
 
     def __init__(self, vocab_size: int = 32000) -> None:
         self.vocab_size = vocab_size
         self._pieces: dict[int, str] = dict(enumerate(_SPECIAL))
         self._ids: dict[str, int] = {}
         self._spaced: dict[str, int] = {}
+        self._chunks: dict[str, list[int]] = {}
 
     def _piece_id(self, piece: str) -> int:
         digest = hashlib.blake2b(piece.encode(), digest_size=8).digest()
@@ -186,16 +195,49 @@ class BuiltinTokenizer:
         return token_id
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        known, new = self._ids.get, self._piece_id  # ids are never 0: a miss is the only falsy lookup
-        if _WORDS.fullmatch(text) and "  " not in text and not text.startswith(" "):
-            # words and single spaces (most prompts): the same pieces as the regex below, " word"
-            # for every word after the first, found by str.split at a fraction of the cost
-            first, *rest = text.split(" ")
-            spaced, new_spaced = self._spaced.get, self._spaced_id
-            ids = ([known(first) or new(first)] if first else []) + [spaced(w) or new_spaced(w) for w in rest]
-        else:
+        ids = self._plain_ids(text) if text and text[0] != " " else None
+        if ids is None:
+            known, new = self._ids.get, self._piece_id
             ids = [known(p) or new(p) for p in _PIECE.findall(text)]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def _plain_ids(self, text: str) -> list[int] | None:
+        """The ids of text made of words and single spaces (most prompts), else None.
+
+        Such text splits at its spaces (" word" for every word after the first), so it can be cut
+        before any space and tokenized piece by piece. The cuts are the first space after every
+        ``CHUNK`` characters from the start, so prompts sharing a prefix share its chunks."""
+        ids: list[int] = []
+        chunks, start, end, n = self._chunks, 0, 0, len(text)
+        while start < n:
+            end = text.find(" ", start + self.CHUNK)
+            if end < 0:
+                end = n
+            elif text[end - 1] == " ":  # a run of spaces: not plain
+                return None
+            chunk = text[start:end]
+            got = chunks.get(chunk)
+            if got is None:
+                if not chunk.isascii() or chunk.encode().translate(None, _WORD_OR_SPACE) or "  " in chunk:
+                    return None
+                got = self._words(chunk)
+                if len(chunks) >= self.MAX_CHUNKS:
+                    chunks.clear()
+                chunks[chunk] = got
+            ids += got
+            start = end
+        return ids
+
+    def _words(self, chunk: str) -> list[int]:
+        """A plain chunk's ids: its first word as is, unless the chunk starts with the space
+        before it; every later word as " word" (looked up by ``map``, in C)."""
+        words = chunk.split(" ")
+        ids = list(map(self._spaced.get, words, _MISSING))  # ids are never 0: 0 is a miss
+        first = words[0]
+        ids[0] = (self._ids.get(first) or self._piece_id(first)) if first else 0
+        if 0 in ids[1:]:  # words not seen yet (or forgotten)
+            ids[1:] = [i or self._spaced_id(w) for i, w in zip(ids[1:], words[1:])]
+        return ids if first else ids[1:]
 
     def _spaced_id(self, word: str) -> int:
         """The id of the piece ``" " + word`` (remembered by the word, so a hit builds no string)."""

@@ -102,6 +102,13 @@ def reads_prefixes(plugin: object) -> bool:
     return bool(getattr(plugin, "reads_prefixes", False))
 
 
+def reads_routed(plugin: object) -> bool:
+    """Whether a plugin reads the approximate index (what the router routed) for every pod, not
+    only for pods that send no KV events (``prefix-cache-scorer`` and the precise scorer's home
+    hint say so)."""
+    return bool(getattr(plugin, "reads_routed", False))
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
@@ -111,10 +118,14 @@ class Profile:
     reads_prefixes: bool = field(init=False)
     """A plugin reads block hashes: the router hashes the prompt and teaches the prefix
     indexes what it routed only for such profiles (and for P/D decisions)."""
+    reads_routed: bool = field(init=False)
+    """A plugin reads the approximate index for pods that send KV events too: without one the
+    router teaches it only about pods that send none (their prefixes are known no other way)."""
 
     def __post_init__(self) -> None:
         plugins = (*self.filters, *(s for s, _ in self.scorers), self.picker)
         object.__setattr__(self, "reads_prefixes", any(reads_prefixes(p) for p in plugins))
+        object.__setattr__(self, "reads_routed", any(reads_routed(p) for p in plugins))
 
     def run(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> ProfileRun:
         candidates = endpoints

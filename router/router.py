@@ -252,13 +252,18 @@ class Router:
         hashes = decided.hashes
         blocks = hashes.all if hashes is not None else None
         learned: list[int] | None = None
+        # the approximate index is read for pods that send KV events only by some profiles'
+        # plugins: a decision by others teaches it about the pods that send none (~0.5 ms a send)
+        routed = [self.profiles.get(n) for n in (result.profile, self.config.pd_prefill_profile) if n]
+        teach_all = any(p is None or p.reads_routed for p in routed)
 
         def learn(endpoint: Endpoint, prefill: bool) -> None:
             nonlocal learned
             if blocks is not None:
                 learned = learned if learned is not None else blocks()
                 now = self._clock()
-                self.approx.add(endpoint.id, learned)
+                if teach_all or endpoint.id not in self.event_sources:
+                    self.approx.add(endpoint.id, learned)
                 self.speculative.add(endpoint.id, learned, now)
                 counter = self.datastore.counter(endpoint.id)
                 if counter is not None and hashes is not None:

@@ -47,6 +47,9 @@ class Counters:
     """``vllm:request_success`` over every finish reason."""
     external_hits: float = 0.0
     """Prompt tokens a P/D decode pod got over KV transfer (``vllm:external_prefix_cache_hits``)."""
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    """``vllm:time_to_first_token_seconds``: the time to first token the pod itself measured."""
 
 
 def start_pods(group: ProcessGroup, *, decode: int, prefill: int = 0, num_blocks: int, profile: str = "h100-llama8b",
@@ -79,8 +82,12 @@ def parse_counters(text: str) -> Counters:
         if family.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:request_success",
                            "vllm:external_prefix_cache_hits"):
             sums[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        elif family.name == "vllm:time_to_first_token_seconds":
+            for suffix in ("_sum", "_count"):
+                sums[suffix] = sum(s.value for s in family.samples if s.name.endswith(suffix))
     return Counters(sums.get("vllm:prefix_cache_hits", 0.0), sums.get("vllm:prefix_cache_queries", 0.0),
-                    sums.get("vllm:request_success", 0.0), sums.get("vllm:external_prefix_cache_hits", 0.0))
+                    sums.get("vllm:request_success", 0.0), sums.get("vllm:external_prefix_cache_hits", 0.0),
+                    sums.get("_sum", 0.0), sums.get("_count", 0.0))
 
 
 async def counters(session: aiohttp.ClientSession, pods: Sequence[Pod]) -> list[Counters]:

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -50,6 +50,7 @@ class Outcome:
     rates: tuple[float, ...]
     rows: list[report.Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    seed: int = 0
 
 
 def log(opts: Options, msg: str) -> None:
@@ -133,7 +134,7 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str, pid: i
 
 async def bench_workload(workload: Workload, router_names: Sequence[str], opts: Options) -> Outcome:
     saturation, rates = await asyncio.to_thread(plan_rates, workload, opts)
-    outcome = Outcome(workload, saturation, rates)
+    outcome = Outcome(workload, saturation, rates, seed=opts.seed)
     found = f"round-robin saturates near {saturation:g} req/s on the replay" if saturation == saturation else "given"
     log(opts, f"workload {workload.name} ({describe(workload)}): {found}; rates {', '.join(map(str, rates))}")
     traces = {rate: workload.trace(rate, opts.duration, opts.seed) for rate in rates}
@@ -168,6 +169,7 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
                     outcome.rows.append(await measure(workload, spec, url, child.popen.pid, traces[rate], fleet, opts))
             finally:
                 group.stop(child)
+    outcome.rows = [replace(r, seed=opts.seed) for r in outcome.rows]
     return outcome
 
 

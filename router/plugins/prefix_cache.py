@@ -55,6 +55,7 @@ def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[Endpoi
 @register("prefix-cache-scorer", "scorer")
 class ApproxPrefixScorer:
     reads_prefixes = True
+    reads_routed = True
 
     def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
         self.name = name
@@ -81,6 +82,7 @@ class PrecisePrefixScorer:
         self.name = name
         self.ctx = ctx
         self.home_weight = params.home_weight
+        self.reads_routed = self.home_weight > 0  # the home hint is the approximate index
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
         total = cycle.hashes.num_blocks

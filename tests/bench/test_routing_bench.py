@@ -38,12 +38,36 @@ async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path
         assert row.answer_mismatches == 0, row
         assert bound.ttft_mean_ms <= row.ttft_mean_ms and bound.ttft_p90_ms <= row.ttft_p90_ms, (bound, row)
         assert row.itl_ms > 0 and row.tokens_per_s > 0
+        # the pods' own histograms: from arrival at the pod, so never more than the client saw
+        assert 0 < row.pod_ttft_ms <= row.ttft_mean_ms, row
     # the same groups come back, so a prefix-aware router must hit more than round-robin
     assert measured["kvflow default"].hit_rate > measured["kvflow round-robin"].hit_rate
     assert "kvflow default" in report.table(outcome.rows)
     png = tmp_path / "smoke.png"
     report.plot(outcome.rows, "smoke", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_summary_over_seeds_compares_each_router_with_the_references_of_its_own_seed() -> None:
+    def row(router: str, seed: int, mean: float, p90: float, pod: float = math.nan, measured: bool = True) -> report.Row:
+        return report.Row("a", router, 10.0, 100, 0, mean, p90, hit_rate=0.5, requests_per_pod=(50, 50),
+                          measured=measured, pod_ttft_ms=pod, seed=seed)
+
+    rows = [
+        row(report.ORACLE, 0, 50, 100, measured=False), row(report.ORACLE, 1, 100, 200, measured=False),
+        row(report.REFERENCE, 0, 100, 200), row(report.REFERENCE, 1, 400, 800),
+        row("kvflow default", 0, 60, 150, pod=55), row("kvflow default", 1, 120, 400, pod=90),
+    ]
+    text = report.summary(rows)
+
+    kvflow = next(line for line in text.splitlines() if line.startswith("| a | kvflow default |"))
+    cells = [c.strip() for c in kvflow.strip("|").split("|")]
+    assert cells[2:6] == ["2", "90.0", "275.0", "72.5"]  # plain means over the seeds
+    assert cells[6] == "0.45 (0.30-0.60)"  # 60/100 and 120/400: each seed against its own reference
+    assert cells[7] == "0.62"  # p90: 150/200 and 400/800
+    assert cells[8:10] == ["1.20", "1.00"]  # vs oracle: 60/50 and 120/100; the pods' own: 55/50 and 90/100
+    assert "a: vs sglang cache_aware mean 0.45, p90 0.62 (target <= 0.80: met); vs oracle 1.20 (target <= 1.10: " \
+           "NOT met)" in text
 
 
 def test_the_replay_oracle_never_beats_the_bound_and_round_robin_spreads_evenly() -> None:

@@ -63,5 +63,11 @@ def test_missing_tokenizer_folder_is_a_clear_error(tmp_path):
 def test_builtin_fast_path_gives_the_same_pieces_as_the_regex(text: str) -> None:
     from kvflow.tokenizer import _PIECE, BuiltinTokenizer
 
-    fast, reference = BuiltinTokenizer(), BuiltinTokenizer()
-    assert fast.encode(text, add_special_tokens=False) == [reference._piece_id(p) for p in _PIECE.findall(text)]
+    fast, chunked, reference = BuiltinTokenizer(), BuiltinTokenizer(), BuiltinTokenizer()
+    chunked.CHUNK = 4  # plain text cut every few characters: every cut is exercised
+    expected = [reference._piece_id(p) for p in _PIECE.findall(text)]
+    for tok in (fast, chunked):
+        assert tok.encode(text, add_special_tokens=False) == expected  # every piece new
+        assert tok.encode(text, add_special_tokens=False) == expected  # every piece (and chunk) remembered
+        head = text[: len(text) // 2]  # a prefix of a text seen before reuses its chunks
+        assert tok.encode(head, add_special_tokens=False) == [reference._piece_id(p) for p in _PIECE.findall(head)]

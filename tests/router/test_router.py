@@ -139,6 +139,23 @@ def test_precise_falls_back_to_approx_for_pods_without_kv_events() -> None:
     assert router.schedule(req("c")).cached_tokens == 0
 
 
+@pytest.mark.parametrize(("profile", "taught"), [("default", False), ("prefix-approx", True), ("prefix-precise", True)])
+def test_the_routed_index_learns_about_pods_with_kv_events_only_for_profiles_that_read_it(
+        profile: str, taught: bool) -> None:
+    router = Router(load_config(None), PODS, profile=profile)
+    heard = {p.id for p in PODS[:2]}
+    router.event_sources.update(heard)  # two pods publish KV events, two do not
+    picked = set()
+    for i in range(8):
+        result = router.schedule(req(f"r{i}", tokens=[i] * 64))
+        router.request_started(req(f"r{i}", tokens=[i] * 64), result)
+        picked.add(result.targets[0].id)
+    assert picked & heard and picked - heard  # both kinds were sent requests
+    for eid in picked:
+        # the default profile reads the approximate index only where no events tell the truth
+        assert (router.approx.blocks_of(eid) > 0) is (taught or eid not in heard), eid
+
+
 def test_an_unknown_profile_is_the_clients_mistake_not_a_capacity_problem() -> None:
     from kvflow.errors import InvalidRequestError
 
