@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,26 +67,42 @@ def apply(
     """Events into the index; a guess about a block (speculative) ends once an event speaks of
     it. Returns how many ``BlockStored`` events could not be fingerprinted (skipped)."""
     skipped = 0
+    removed: list[int] = []
+    """Hashes of consecutive ``BlockRemoved`` events (vLLM sends one per evicted block), removed
+    together when the run ends: removals commute, and one call costs what one block did."""
     for event in events:
+        if type(event) is BlockRemoved:
+            removed += event.block_hashes
+            continue
+        if removed:
+            _remove(index, endpoint, removed, speculative)
+            removed = []
         if isinstance(event, BlockStored):
             keys = stored_fingerprints(index, event)
             if keys is None:
                 skipped += 1
                 continue
             index.add(endpoint, keys, event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            keys = index.remove_hashes(endpoint, event.block_hashes)
+            if speculative is not None:
+                speculative.discard(endpoint, keys)
         else:
             index.clear(endpoint)
             if speculative is not None:
                 speculative.clear(endpoint)
-            continue
-        if speculative is not None:
-            speculative.discard(endpoint, keys)
+    if removed:
+        _remove(index, endpoint, removed, speculative)
     return skipped
 
 
-Counted = Callable[[EndpointId, str], None]
+def _remove(index: PrefixIndex, endpoint: EndpointId, hashes: list[int], speculative: SpeculativeIndex | None) -> None:
+    keys = index.remove_hashes(endpoint, hashes)
+    if speculative is not None:
+        speculative.discard(endpoint, keys)
+
+
+Counted = Callable[[EndpointId, str, int], None]
+"""``(endpoint, event type, how many)``: once per type and batch, not once per event."""
+Problem = Callable[[EndpointId, str], None]
 RESTART_BACKOFF = (0.1, 5.0)
 """A failed subscriber is restarted after 0.1 s, doubling up to 5 s while it keeps failing."""
 
@@ -99,7 +116,7 @@ class KvEventSubscriber:
         on_event: Counted | None = None,
         speculative: SpeculativeIndex | None = None,
         heard: set[EndpointId] | None = None,
-        on_problem: Counted | None = None,
+        on_problem: Problem | None = None,
     ) -> None:
         self.index = index
         self.on_event = on_event
@@ -213,8 +230,8 @@ class KvEventSubscriber:
         for _ in range(apply(self.index, endpoint_id, events, self.speculative)):
             self._problem(endpoint_id, "unchained")
         if self.on_event is not None:
-            for event in events:
-                self.on_event(endpoint_id, type(event).__name__)
+            for kind, n in Counter(type(event).__name__ for event in events).items():
+                self.on_event(endpoint_id, kind, n)
 
 
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)

@@ -338,8 +338,8 @@ class Router:
             self.approx.set_capacity(endpoint.id, metrics.num_blocks)
             self.precise.set_capacity(endpoint.id, metrics.num_blocks)
 
-    def _on_kv_event(self, endpoint_id: str, kind: str) -> None:
-        self.metrics.kv_events.labels(self.config.pool_name, endpoint_id, kind).inc()
+    def _on_kv_event(self, endpoint_id: str, kind: str, n: int) -> None:
+        self.metrics.kv_events.labels(self.config.pool_name, endpoint_id, kind).inc(n)
 
     def _on_kv_problem(self, endpoint_id: str, kind: str) -> None:
         self.metrics.kv_event_problems.labels(self.config.pool_name, endpoint_id, kind).inc()

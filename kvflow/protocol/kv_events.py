@@ -237,8 +237,15 @@ def _fields(raw: Any) -> tuple[Any, Any]:
     return None, None
 
 
+_REMOVED_HASHES = 1 + _POSITIONS["BlockRemoved"]["block_hashes"]
+"""Where an array-tagged ``BlockRemoved`` carries its hashes."""
+
+
 def decode_event(raw: Any) -> KvEvent | None:
     """One event as msgpack decoded it (untyped) → its decoded form; None for an unknown type."""
+    if type(raw) is list and len(raw) > _REMOVED_HASHES and raw[0] == "BlockRemoved":
+        # vLLM's most frequent event (one per evicted block), without the generic field getter
+        return BlockRemoved(_hashes(raw[_REMOVED_HASHES]))
     tag, get = _fields(raw)
     if tag == "BlockStored":
         parent = get("parent_block_hash")

@@ -96,6 +96,34 @@ def test_apply_keeps_index_in_step() -> None:
     assert len(index) == 0 and index.fingerprint_of(1) is None
 
 
+async def test_a_batch_of_per_block_removals_applies_as_the_events_one_by_one_and_is_counted_per_type() -> None:
+    from kvflow.router.prefix_index import SpeculativeIndex
+
+    a, b = prompt(3), prompt(4)
+    a_hashes = [to_external(h) for h in hash_request_tokens(a, 16)]
+    b_hashes = [to_external(h) for h in hash_request_tokens(b, 16)]
+    # as vLLM publishes evictions: one BlockRemoved per block, with a store between two runs of them
+    batch = [stored(a), stored(b), *(BlockRemovedV([h], "GPU") for h in a_hashes[::-1]), stored(a),
+             *(BlockRemovedV([h], "GPU") for h in b_hashes[:0:-1])]
+    reference, index = PrefixIndex(), PrefixIndex()
+    reference_guess, guess = SpeculativeIndex(), SpeculativeIndex()
+    sent = [*reference.fingerprinter.prompt(a).all(), *reference.fingerprinter.prompt(b).all()]
+    reference_guess.add("a:1", sent, 0.0)  # the router had just sent both prompts there
+    guess.add("a:1", [*index.fingerprinter.prompt(a).all(), *index.fingerprinter.prompt(b).all()], 0.0)
+    for raw in batch:  # the reference: each event on its own
+        apply(reference, "a:1", decode_batch(encode(raw)), reference_guess)
+    counted: list[tuple[str, str, int]] = []
+    sub = KvEventSubscriber(index, on_event=lambda eid, kind, n: counted.append((eid, kind, n)), speculative=guess)
+    try:
+        sub._handle(EndpointId("a:1"), 1, encode(*batch))
+    finally:
+        await sub.close()
+    assert len(guess) == len(reference_guess) == 0  # every guess was spoken of by an event
+    assert matched(index, a) == matched(reference, a) == {"a:1": 3}  # stored again after its removal
+    assert matched(index, b) == matched(reference, b) == {"a:1": 1}  # all but its first block removed
+    assert sorted(counted) == [("a:1", "BlockRemoved", 6), ("a:1", "BlockStored", 3)]
+
+
 def test_blocks_whose_parent_was_never_heard_of_are_skipped_and_counted() -> None:
     index = PrefixIndex()
     tokens = list(range(48))
