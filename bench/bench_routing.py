@@ -15,7 +15,7 @@ writes ``bench/out/routing-<workload>.png`` and ``bench/out/routing.json``.
     python bench/bench_routing.py --workloads a --routers kvflow sglang:cache_aware --duration 10
     python bench/bench_routing.py --workloads a --routers kvflow kvflow:prefix-approx --rates 8 12 16
     python bench/bench_routing.py --workloads a b c --routers kvflow sglang:cache_aware sglang:round_robin \\
-        --factors 1.0 --seeds 0 1 2                     # means over three traces, ~45 min
+        --factors 1.0 --seeds 0 1 2                     # means over three traces, ~15 min
 
 Peers come from the ``bench`` extra (``pip install -e '.[bench]'``); a missing one is installed
 on first use, or skipped with the reason.
