@@ -455,8 +455,25 @@ class BlockTable:
 
     def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
         """``remove`` by vLLM's hashes: the keys of the blocks they name (translate only)."""
-        found = [k for k in map(self.translated, checked_hashes(hashes)) if k is not None]
-        self.remove(endpoint, found)
+        vfind, alias, key = self._vindex.find, self._alias, self._key
+        records = []
+        for h in checked_hashes(hashes):  # all named before any is dropped (a drop frees the name)
+            r = vfind(h)
+            if r < 0:
+                r = alias.get(h, _NONE)
+            if r >= 0:
+                records.append(r)
+        found = [key[r] for r in records]
+        p = self._by_id.get(endpoint)
+        if p is not None:  # ``remove``, on the records found: no second lookup by key
+            owner, nxt, first = self._owner, self._next, self._first
+            for r in records:
+                e = first[r]  # < 0 once dropped: a block named twice is removed once
+                while e >= 0 and owner[e] != p:
+                    e = nxt[e]
+                if e >= 0:
+                    self._drop(e)
+            self._after_drops(p)
         return found
 
     def clear(self, endpoint: EndpointId) -> None:

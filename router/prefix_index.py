@@ -15,8 +15,9 @@ arrays, 45-61 bytes per (block, endpoint) entry, an age order and a cap per endp
   reports it), nor the index more than ``MAX_ENTRIES``: beyond that the storing endpoint's
   oldest are evicted, so a pod whose events go astray, or that lies, cannot grow the router.
 * ``SpeculativeIndex`` bridges the gap between routing a request and its pod's ``BlockStored``
-  events (a prefill later): what the router just sent counts as cached there for a few seconds.
-  Without it, a burst of one group's requests scatters before the first events arrive.
+  events (a prefill later): what the router just sent, past what the pod was known to hold,
+  counts as cached there for a few seconds, continuing the prefix the events give. Without it,
+  a burst of one group's requests scatters before the first events arrive.
 * ``ApproxPrefixIndex`` learns from what the router itself routed and guesses eviction with a
   per-endpoint LRU bounded by the pod's cache size: the approximate scorer.
 """
@@ -24,7 +25,7 @@ arrays, 45-61 bytes per (block, endpoint) entry, an age order and a cap per endp
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 import numpy as np
 
@@ -175,29 +176,32 @@ class ApproxPrefixIndex:
 class SpeculativeIndex:
     """Blocks the router just sent to an endpoint, believed cached there for ``ttl`` seconds.
 
-    Its entries live seconds and turn over with every request, so it keeps them in dicts of
-    sets, which add and drop a block faster than a ``BlockTable``; its size is bounded by the
-    blocks routed in ``ttl``, not by the pods' caches.
+    A guess bridges the time until the pod's KV events speak of the blocks, so it only ever
+    continues what the events say: a send guesses the blocks past those the pod was known to
+    hold, and ``extend`` carries each endpoint's matched prefix on through its guessed blocks.
+    An event about a block ends the guess (stored: the precise index knows it now; removed:
+    it is gone). Guesses live in one set per endpoint, so adding, expiring and ending them are
+    set operations in C, not a loop over blocks; the sets hold only what was routed in ``ttl``.
     """
 
     def __init__(self, ttl: float = 2.0) -> None:
         self.ttl = ttl
-        self.holders: dict[int, set[EndpointId]] = {}
         self._blocks: dict[EndpointId, set[int]] = {}
-        self._queue: deque[tuple[float, EndpointId, tuple[int, ...]]] = deque()
+        """Endpoint -> its guessed blocks (endpoints with none are absent)."""
+        self._queue: deque[tuple[float, EndpointId, list[int]]] = deque()
 
     def __len__(self) -> int:
-        return len(self.holders)
+        """(block, endpoint) guesses."""
+        return sum(map(len, self._blocks.values()))
 
-    def add(self, endpoint: EndpointId, hashes: Iterable[int], now: float) -> None:
-        if self.ttl <= 0:
+    def __bool__(self) -> bool:
+        return bool(self._blocks)
+
+    def add(self, endpoint: EndpointId, hashes: list[int], now: float) -> None:
+        if self.ttl <= 0 or not hashes:
             return
-        blocks = tuple(hashes)
-        mine = self._blocks.setdefault(endpoint, set())
-        for h in blocks:
-            mine.add(h)
-            self.holders.setdefault(h, set()).add(endpoint)
-        self._queue.append((now + self.ttl, endpoint, blocks))
+        self._blocks.setdefault(endpoint, set()).update(hashes)
+        self._queue.append((now + self.ttl, endpoint, hashes))
 
     def expire(self, now: float) -> None:
         queue = self._queue
@@ -209,22 +213,21 @@ class SpeculativeIndex:
         """Forget these blocks on ``endpoint`` before they expire (an event spoke of them, or
         the request sent there failed)."""
         mine = self._blocks.get(endpoint)
-        if mine is None:
-            return
-        for h in hashes:
-            if h in mine:
-                mine.discard(h)
-                self._drop_holder(h, endpoint)
+        if mine is not None:
+            mine.difference_update(hashes)
+            if not mine:
+                del self._blocks[endpoint]
 
     def clear(self, endpoint: EndpointId) -> None:
-        for h in self._blocks.pop(endpoint, ()):
-            self._drop_holder(h, endpoint)
+        self._blocks.pop(endpoint, None)
 
-    def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
-        return longest_prefixes(self.holders, chain)
-
-    def _drop_holder(self, h: int, endpoint: EndpointId) -> None:
-        holders = self.holders[h]
-        holders.discard(endpoint)
-        if not holders:
-            del self.holders[h]
+    def extend(self, matched: dict[EndpointId, int], chain: Sequence[int]) -> None:
+        """Carry each endpoint's matched prefix of ``chain`` (``matched``: leading blocks it is
+        known to hold, absent for none) on through the blocks guessed there."""
+        n = len(chain)
+        for endpoint, mine in self._blocks.items():
+            i = start = matched.get(endpoint, 0)
+            while i < n and chain[i] in mine:
+                i += 1
+            if i > start:
+                matched[endpoint] = i

@@ -33,10 +33,8 @@ def prefix_matches(
     found = cycle.data.get(key)
     if found is None:
         found = index.match(cycle.hashes)
-        if speculative is not None and len(speculative):
-            for eid, n in speculative.match(cycle.hashes).items():
-                if n > found.get(eid, 0):
-                    found[eid] = n
+        if speculative:
+            speculative.extend(found, cycle.hashes.all())
         cycle.data[key] = found
     return found
 

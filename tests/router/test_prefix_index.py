@@ -132,3 +132,35 @@ def test_the_walk_stops_once_no_endpoint_still_matches() -> None:
             table.add(ep, [h])
     asked.clear()
     assert table.match(lazy()) == {A: 1} and asked == [0, 1]
+
+
+def test_a_guess_carries_the_prefix_the_events_give_on_until_it_expires() -> None:
+    from kvflow.router.prefix_index import SpeculativeIndex
+
+    guess = SpeculativeIndex(ttl=2.0)
+    chain = [11, 12, 13, 14, 15, 16]
+    guess.add(A, chain[2:], now=0.0)  # sent to A, which was known to hold the first two blocks
+    guess.add(B, chain[:3], now=1.0)  # sent to B, which held nothing
+    matched = {A: 2, C: 4}  # what the events say: A's first two, C's first four
+    guess.extend(matched, chain)
+    assert matched == {A: 6, B: 3, C: 4}  # C has no guesses: its match stands
+    guess.discard(A, chain[2:4])  # events spoke of A's blocks 3 and 4 (stored: the index has them now)
+    matched = {A: 4}
+    guess.extend(matched, chain)
+    assert matched == {A: 6, B: 3}
+    guess.expire(2.0)  # A's guess, made at 0, ends at 2; B's lasts until 3
+    matched = {A: 4}
+    guess.extend(matched, chain)
+    assert matched == {A: 4, B: 3} and len(guess) == 3
+    guess.expire(3.0)
+    assert not guess and len(guess) == 0
+
+
+def test_a_guess_does_not_bridge_a_gap_in_what_the_pod_holds() -> None:
+    from kvflow.router.prefix_index import SpeculativeIndex
+
+    guess = SpeculativeIndex(ttl=2.0)
+    guess.add(A, [13, 14], now=0.0)
+    matched: dict[EndpointId, int] = {A: 1}  # A holds block 11 only: 12 is missing
+    guess.extend(matched, [11, 12, 13, 14])
+    assert matched == {A: 1}

@@ -156,6 +156,19 @@ def test_the_routed_index_learns_about_pods_with_kv_events_only_for_profiles_tha
         assert (router.approx.blocks_of(eid) > 0) is (taught or eid not in heard), eid
 
 
+def test_a_send_guesses_only_the_blocks_past_those_its_pod_was_known_to_hold() -> None:
+    router = Router(load_config(None), PODS, profile="prefix-precise")
+    router.event_sources.update(p.id for p in PODS)  # every pod's events are heard
+    fingerprints = router.fingerprinter.prompt(PROMPT).all()
+    router.precise.add(PODS[0].id, fingerprints[:20])  # its events said: the first 20 blocks
+    result = router.schedule(req("a"))
+    assert (result.targets[0], result.cached_tokens) == (PODS[0], 20 * 16)
+    router.request_started(req("a"), result)
+    assert len(router.speculative) == 12  # the 12 blocks the pod will compute, not all 32
+    again = router.schedule(req("b"))  # before the events of "a": its guess carries the match on
+    assert (again.targets[0], again.cached_tokens) == (PODS[0], 32 * 16)
+
+
 def test_an_unknown_profile_is_the_clients_mistake_not_a_capacity_problem() -> None:
     from kvflow.errors import InvalidRequestError
 
