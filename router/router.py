@@ -264,8 +264,7 @@ class Router:
                 now = self._clock()
                 if teach_all or endpoint.id not in self.event_sources:
                     self.approx.add(endpoint.id, learned)
-                # guessed: the blocks past those it was known to hold (events name the rest)
-                self.speculative.add(endpoint.id, learned[decided.matches.get(endpoint.id, 0):], now)
+                self.speculative.add(endpoint.id, learned, now)
                 counter = self.datastore.counter(endpoint.id)
                 if counter is not None and hashes is not None:
                     counter.touched(hashes.array, now)

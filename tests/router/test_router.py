@@ -156,17 +156,21 @@ def test_the_routed_index_learns_about_pods_with_kv_events_only_for_profiles_tha
         assert (router.approx.blocks_of(eid) > 0) is (taught or eid not in heard), eid
 
 
-def test_a_send_guesses_only_the_blocks_past_those_its_pod_was_known_to_hold() -> None:
+def test_a_guess_carries_the_match_on_past_what_the_events_have_confirmed_so_far() -> None:
+    from kvflow.router.kv_events import apply
+    from kvflow.protocol.kv_events import BlockStored
+
     router = Router(load_config(None), PODS, profile="prefix-precise")
     router.event_sources.update(p.id for p in PODS)  # every pod's events are heard
-    fingerprints = router.fingerprinter.prompt(PROMPT).all()
-    router.precise.add(PODS[0].id, fingerprints[:20])  # its events said: the first 20 blocks
     result = router.schedule(req("a"))
-    assert (result.targets[0], result.cached_tokens) == (PODS[0], 20 * 16)
     router.request_started(req("a"), result)
-    assert len(router.speculative) == 12  # the 12 blocks the pod will compute, not all 32
-    again = router.schedule(req("b"))  # before the events of "a": its guess carries the match on
-    assert (again.targets[0], again.cached_tokens) == (PODS[0], 32 * 16)
+    pod = result.targets[0].id
+    # the pod's first BlockStored covers the first 20 blocks (chunked prefill: the rest comes later)
+    apply(router.precise, pod, [BlockStored(tuple(range(1, 21)), None, 16, tuple(PROMPT[:320]))], router.speculative)
+    assert router.precise.match(router.fingerprinter.prompt(PROMPT).all()) == {pod: 20}
+    assert len(router.speculative) == 12  # the confirmed blocks are no longer guesses
+    again = router.schedule(req("b"))
+    assert (again.targets[0].id, again.cached_tokens) == (pod, 32 * 16)  # 20 confirmed, 12 guessed
 
 
 def test_an_unknown_profile_is_the_clients_mistake_not_a_capacity_problem() -> None:
