@@ -15,9 +15,9 @@ arrays, 45-61 bytes per (block, endpoint) entry, an age order and a cap per endp
   reports it), nor the index more than ``MAX_ENTRIES``: beyond that the storing endpoint's
   oldest are evicted, so a pod whose events go astray, or that lies, cannot grow the router.
 * ``SpeculativeIndex`` bridges the gap between routing a request and its pod's ``BlockStored``
-  events (a prefill later): what the router just sent, past what the pod was known to hold,
-  counts as cached there for a few seconds, continuing the prefix the events give. Without it,
-  a burst of one group's requests scatters before the first events arrive.
+  events (a prefill later): what the router just sent counts as cached there for a few
+  seconds, continuing the prefix the events give. Without it, a burst of one group's requests
+  scatters before the first events arrive.
 * ``ApproxPrefixIndex`` learns from what the router itself routed and guesses eviction with a
   per-endpoint LRU bounded by the pod's cache size: the approximate scorer.
 """
@@ -176,9 +176,9 @@ class ApproxPrefixIndex:
 class SpeculativeIndex:
     """Blocks the router just sent to an endpoint, believed cached there for ``ttl`` seconds.
 
-    A guess bridges the time until the pod's KV events speak of the blocks, so it only ever
-    continues what the events say: a send guesses the blocks past those the pod was known to
-    hold, and ``extend`` carries each endpoint's matched prefix on through its guessed blocks.
+    A guess bridges the time until the pod's KV events speak of the blocks: a send guesses
+    all the prompt's blocks there, and ``extend`` carries each endpoint's matched prefix (what
+    its events say) on through its guessed blocks.
     An event about a block ends the guess (stored: the precise index knows it now; removed:
     it is gone). Guesses live in one set per endpoint, so adding, expiring and ending them are
     set operations in C, not a loop over blocks; the sets hold only what was routed in ``ttl``.
