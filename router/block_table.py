@@ -281,10 +281,13 @@ class BlockTable:
 
     def translated(self, h: int) -> int | None:
         """The key of the block vLLM hashes to ``h``, while an endpoint holds it (translate only)."""
-        r = self._vindex.find(h)
-        if r < 0:
-            r = self._alias.get(h, _NONE)
+        r = self._vrecord(h)
         return None if r < 0 else self._key[r]
+
+    def _vrecord(self, h: int) -> int:
+        """The record vLLM's hash ``h`` names, or -1."""
+        r = self._vindex.find(h)
+        return r if r >= 0 else self._alias.get(h, _NONE)
 
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         """Leading blocks of ``chain`` each endpoint holds (endpoints holding none are absent).
@@ -441,40 +444,30 @@ class BlockTable:
     def remove(self, endpoint: EndpointId, keys: Iterable[int]) -> None:
         """``endpoint`` no longer holds these blocks (those it did not hold are ignored)."""
         p = self._by_id.get(endpoint)
-        if p is None:
-            return
+        if p is not None:
+            self._drop_records(p, list(map(self._index.find, checked_hashes(keys))))
+
+    def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
+        """``remove`` by vLLM's hashes: the keys of the blocks they name (translate only)."""
+        # all named before any is dropped (a drop frees the name); no second lookup by key
+        records = [r for r in map(self._vrecord, checked_hashes(hashes)) if r >= 0]
+        key = self._key
+        found = [key[r] for r in records]
+        p = self._by_id.get(endpoint)
+        if p is not None:
+            self._drop_records(p, records)
+        return found
+
+    def _drop_records(self, p: int, records: list[int]) -> None:
+        """Drop endpoint ``p``'s entries of these records (-1, or one it does not hold: ignored)."""
         owner, nxt, first = self._owner, self._next, self._first
-        for h in checked_hashes(keys):
-            r = self._index.find(h)
-            e = _NONE if r < 0 else first[r]
+        for r in records:
+            e = first[r] if r >= 0 else _NONE  # < 0 once dropped: a block named twice is removed once
             while e >= 0 and owner[e] != p:
                 e = nxt[e]
             if e >= 0:
                 self._drop(e)
         self._after_drops(p)
-
-    def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
-        """``remove`` by vLLM's hashes: the keys of the blocks they name (translate only)."""
-        vfind, alias, key = self._vindex.find, self._alias, self._key
-        records = []
-        for h in checked_hashes(hashes):  # all named before any is dropped (a drop frees the name)
-            r = vfind(h)
-            if r < 0:
-                r = alias.get(h, _NONE)
-            if r >= 0:
-                records.append(r)
-        found = [key[r] for r in records]
-        p = self._by_id.get(endpoint)
-        if p is not None:  # ``remove``, on the records found: no second lookup by key
-            owner, nxt, first = self._owner, self._next, self._first
-            for r in records:
-                e = first[r]  # < 0 once dropped: a block named twice is removed once
-                while e >= 0 and owner[e] != p:
-                    e = nxt[e]
-                if e >= 0:
-                    self._drop(e)
-            self._after_drops(p)
-        return found
 
     def clear(self, endpoint: EndpointId) -> None:
         """Forget everything ``endpoint`` holds (its capacity is kept)."""

@@ -42,9 +42,9 @@ MAX_ENTRIES = 1 << 24
 def longest_prefixes(holders: Mapping[int, Set[EndpointId]], chain: Iterable[int]) -> dict[EndpointId, int]:
     """Leading blocks of the chain each endpoint holds (endpoints holding none are absent).
 
-    The walk every index answers, over a plain mapping (the speculative index's; ``BlockTable.match``
-    runs the same walk over its arrays, and tests hold the two to the same answers). ``chain``
-    is not advanced past the first block nobody holds.
+    The walk every index answers, over a plain mapping: the reference that ``BlockTable.match``
+    runs over its arrays (tests hold the two to the same answers). ``chain`` is not advanced
+    past the first block nobody holds.
     """
     matched: dict[EndpointId, int] = {}
     it = iter(chain)
