@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 
 SPEED_WEIGHT = 0.2
 """Weight of the newest observation in a pod's prefill-speed average."""
+SPEED_STEP = 3.0
+"""An observation counts as at most this many times slower (or faster) than the pod's average.
+A first token far later than estimated is much more often a wrong estimate of the work (a prefix
+evicted before the request reached it, a queue longer than the router knew) than a pod that got
+ten times slower. Taken at face value, one such outlier marked the pod slow, the pod then got no
+requests, and no first token came to correct it: on a replay of the routing benchmark's (b) a
+pod sat idle so for five seconds and the mean TTFT rose by 45 %. A pod that really is slower
+still shows it, over a few requests."""
 
 Learn = Callable[[Endpoint, bool], None]
 """Called with (endpoint, prefill leg?) when a pod is sent the request or it is undone there."""
@@ -202,7 +210,11 @@ class Flight:
             return
         speed = (self._clock() - leg.sent_at) / units
         old = counter.seconds_per_token
-        counter.seconds_per_token = speed if old <= 0 else old + SPEED_WEIGHT * (speed - old)
+        if old <= 0:
+            counter.seconds_per_token = speed
+            return
+        speed = min(max(speed, old / SPEED_STEP), old * SPEED_STEP)
+        counter.seconds_per_token = old + SPEED_WEIGHT * (speed - old)
 
     def __enter__(self) -> Flight:
         return self

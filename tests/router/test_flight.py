@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvflow.endpoints import Endpoint, Role
 from kvflow.router import Router, SchedulingRequest, load_config
+from kvflow.router.flight import SPEED_STEP, SPEED_WEIGHT
 
 A, B, C = (Endpoint(f"127.0.0.{i}", 8000) for i in (2, 3, 4))
 P = Endpoint("127.0.0.9", 8000, role=Role.PREFILL)
@@ -120,6 +121,36 @@ def test_first_tokens_teach_the_router_each_pods_prefill_speed() -> None:
             flight.first_token()
     counter = router.datastore.counter(A.id)
     assert counter is not None and abs(counter.seconds_per_token - 0.001) < 1e-9
+
+
+def _observe_first_tokens(router: Router, clock: Clock, seconds: list[float], start: int = 0) -> float:
+    """Send uncached prompts to A one after another, each answering after ``seconds``; A's speed."""
+    for i, s in enumerate(seconds, start):
+        request = SchedulingRequest(f"r{i}", "m", [t + 10_000 * i for t in PROMPT])
+        result = router.schedule(request)
+        with router.flight(request, result) as flight:
+            flight.send(A)
+            clock.now += s
+            flight.first_token()
+    counter = router.datastore.counter(A.id)
+    assert counter is not None
+    return counter.seconds_per_token
+
+
+def test_one_first_token_far_later_than_estimated_does_not_mark_the_pod_ten_times_slower() -> None:
+    router, clock = router_for(A)
+    assert abs(_observe_first_tokens(router, clock, [0.768] * 3) - 0.001) < 1e-9  # 1 ms a token
+    # the work was misjudged (say the prefix was evicted first): 10x the time the estimate gives
+    speed = _observe_first_tokens(router, clock, [7.68], start=3)
+    assert abs(speed - 0.001 * (1 + SPEED_WEIGHT * (SPEED_STEP - 1))) < 1e-9
+    assert speed < 0.002  # unclipped, the average would have gone to 2.8 ms a token
+
+
+def test_a_pod_that_really_is_slower_is_still_learned_over_a_few_requests() -> None:
+    router, clock = router_for(A)
+    _observe_first_tokens(router, clock, [0.768] * 3)
+    speed = _observe_first_tokens(router, clock, [7.68] * 25, start=3)  # now 10 ms a token, every time
+    assert 0.009 < speed <= 0.01
 
 
 def test_non_streamed_requests_are_not_mistaken_for_time_to_first_token() -> None:
