@@ -140,7 +140,7 @@ def _observe_first_tokens(router: Router, clock: Clock, seconds: list[float], st
 def test_one_first_token_far_later_than_estimated_does_not_mark_the_pod_ten_times_slower() -> None:
     router, clock = router_for(A)
     assert abs(_observe_first_tokens(router, clock, [0.768] * 3) - 0.001) < 1e-9  # 1 ms a token
-    # the work was misjudged (say the prefix was evicted first): 10x the time the estimate gives
+    # the work was misjudged (say a prefix it was to reuse was computed again): 10x the estimate
     speed = _observe_first_tokens(router, clock, [7.68], start=3)
     assert abs(speed - 0.001 * (1 + SPEED_WEIGHT * (SPEED_STEP - 1))) < 1e-9
     assert speed < 0.002  # unclipped, the average would have gone to 2.8 ms a token
