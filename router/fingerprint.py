@@ -47,8 +47,9 @@ from kvflow.blockbytes import as_int64
 from kvflow.errors import InvalidRequestError
 
 MASK = (1 << 64) - 1
-_SMALL_EVENT = 8
-"""Events of at most this many blocks are fingerprinted in plain Python."""
+_SMALL = 6
+"""Prompts and events of at most this many blocks are fingerprinted in plain Python: numpy's
+fixed cost per call (~15 µs for the dozen array operations) outweighs a few blocks' work."""
 BlockKey = tuple[Any, ...] | None
 """The keys one block is fingerprinted with beyond its tokens: ``(lora_name, extra_keys)`` as
 a ``BlockStored`` event gives them, or None for a block with neither."""
@@ -156,11 +157,15 @@ class Fingerprinter:
         chained on ``parent``'s. Most events report a block or two (a decoding request filled
         one): those are computed in plain Python, which numpy's fixed costs would outweigh."""
         n = len(token_ids) // self.block_size
-        if n > _SMALL_EVENT:
+        if n > _SMALL:
             values = as_int64(token_ids)
             if values is None:
                 raise ValueError("token ids must be int64")
             return self.chain(parent, self.block_mixes(values, keys)).tolist()  # type: ignore[no-any-return]
+        return self._chain_small(parent, token_ids, keys, n)
+
+    def _chain_small(self, parent: int, token_ids: Sequence[int], keys: Sequence[BlockKey] | None, n: int) -> list[int]:
+        """``block_mixes`` and ``chain`` for ``n`` blocks, one block at a time in plain Python."""
         size, token_mix, k = self.block_size, self._token_mix_list, self._k
         out, fp = [], parent
         for i in range(n):
@@ -183,7 +188,10 @@ class Fingerprinter:
         block 0, ``later`` the others."""
         n = len(values) // self.block_size
         keys = None if first is None and later is None else [first, *([later] * (n - 1))] if n else []
-        return self.chain(self.root if parent is None else parent, self.block_mixes(values, keys))
+        parent = self.root if parent is None else parent
+        if n <= _SMALL:
+            return np.array(self._chain_small(parent, values[: n * self.block_size].tolist(), keys, n), np.uint64)
+        return self.chain(parent, self.block_mixes(values, keys))
 
     def prompt(self, token_ids: Sequence[int], first: BlockKey = None, later: BlockKey = None) -> PromptFingerprints:
         """A request's fingerprints, computed when first read."""

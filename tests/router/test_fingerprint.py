@@ -23,12 +23,18 @@ def stepwise(f: Fingerprinter, tokens: list[int], keys: list[object] | None = No
     return out
 
 
-def test_a_prompt_at_once_equals_the_chain_block_by_block() -> None:
+@pytest.mark.parametrize("blocks", [0, 1, 6, 7, 40])
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "lora-and-salt"])
+def test_a_prompt_at_once_equals_the_chain_block_by_block(blocks: int, keyed: bool) -> None:
+    """Prompts of a few blocks are fingerprinted in plain Python, longer ones with numpy: the
+    same keys either way."""
     f = Fingerprinter(BLOCK)
-    rng = random.Random(0)
-    tokens = [rng.randrange(128256) for _ in range(BLOCK * 40 + 7)]
-    fingerprints = f.prompt(tokens).all()
-    assert len(fingerprints) == 40 and fingerprints == stepwise(f, tokens)
+    rng = random.Random(blocks)
+    tokens = [rng.randrange(-5, 128256) for _ in range(BLOCK * blocks + 7)]
+    first, later = request_keys("sql", "t") if keyed else (None, None)
+    fingerprints = f.prompt(tokens, first, later).all()
+    keys = [first, *[later] * (blocks - 1)][:blocks] if keyed else None
+    assert len(fingerprints) == blocks and fingerprints == stepwise(f, tokens, keys)
 
 
 @pytest.mark.parametrize("start", [1, 7, 39])
