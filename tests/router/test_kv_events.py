@@ -115,13 +115,65 @@ async def test_a_batch_of_per_block_removals_applies_as_the_events_one_by_one_an
     counted: list[tuple[str, str, int]] = []
     sub = KvEventSubscriber(index, on_event=lambda eid, kind, n: counted.append((eid, kind, n)), speculative=guess)
     try:
-        sub._handle(EndpointId("a:1"), 1, encode(*batch))
+        await sub._handle(EndpointId("a:1"), 1, encode(*batch))
     finally:
         await sub.close()
     assert len(guess) == len(reference_guess) == 0  # every guess was spoken of by an event
     assert matched(index, a) == matched(reference, a) == {"a:1": 3}  # stored again after its removal
     assert matched(index, b) == matched(reference, b) == {"a:1": 1}  # all but its first block removed
     assert sorted(counted) == [("a:1", "BlockRemoved", 6), ("a:1", "BlockStored", 3)]
+
+
+def test_a_long_batch_applied_in_slices_stores_and_removes_what_it_does_whole() -> None:
+    """A prompt's hundreds of blocks in one ``BlockStored`` are cut into events of at most
+    ``SLICE_BLOCKS``, each chained on the block before: every block gets the fingerprint it gets
+    whole (LoRA and extra keys included), and later events find it by its vLLM hash."""
+    tokens = prompt(150)
+    hashes = [to_external(h) for h in hash_request_tokens(tokens, 16)]
+    keys = tuple((f"salt-{i}",) for i in range(150))
+    batch = [BlockStored(tuple(hashes[:100]), None, 16, tuple(tokens[:1600]), "sql", keys[:100]),
+             *(BlockRemoved((h,)) for h in hashes[60:70]),
+             BlockStored(tuple(hashes[100:]), hashes[99], 16, tuple(tokens[1600:2400]), "sql", keys[100:]),
+             AllBlocksCleared(), BlockStored(tuple(hashes[:3]), None, 16, tuple(tokens[:48]), "sql", keys[:3])]
+    parts = list(kv_events.slices(batch, max_blocks=32))
+    sizes = [sum(1 if isinstance(e, AllBlocksCleared) else len(e.block_hashes) for e in part) for part in parts]
+    assert max(sizes) == 32 and sum(sizes) == 100 + 10 + 50 + 1 + 3
+    assert [h for part in parts for e in part if isinstance(e, BlockStored) for h in e.block_hashes] == [
+        *hashes, *hashes[:3]]
+    whole, sliced = PrefixIndex(), PrefixIndex()
+    sliced.fingerprinter = whole.fingerprinter
+    assert apply(whole, "a:1", batch[:-2]) == 0
+    assert sum(apply(sliced, "a:1", part) for part in kv_events.slices(batch[:-2], max_blocks=32)) == 0
+    assert len(whole) == len(sliced) == 140
+    assert [sliced.fingerprint_of(h) for h in hashes] == [whole.fingerprint_of(h) for h in hashes]
+    assert sliced.fingerprint_of(hashes[65]) is None and sliced.fingerprint_of(hashes[149]) is not None
+    for index in (whole, sliced):
+        apply(index, "a:1", [BlockRemoved(tuple(hashes[120:]))])
+    assert len(whole) == len(sliced) == 110
+    for part in kv_events.slices(batch[-2:], max_blocks=32):
+        apply(sliced, "a:1", part)
+    assert len(sliced) == 3
+
+
+async def test_a_long_batch_lets_the_event_loop_turn_while_it_is_applied() -> None:
+    """A first token read together with the KV events of its prompt is not kept waiting
+    behind all of them: another task runs between slices."""
+    tokens = prompt(8 * kv_events.SLICE_BLOCKS)
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index)
+    seen: list[int] = []
+
+    async def relay() -> None:
+        seen.append(len(index))
+
+    try:
+        handling = asyncio.ensure_future(sub._handle(EndpointId("a:1"), 1, encode(stored(tokens))))
+        other = asyncio.ensure_future(relay())
+        await asyncio.gather(handling, other)
+    finally:
+        await sub.close()
+    assert 0 < seen[0] < 8 * kv_events.SLICE_BLOCKS  # it ran when part of the batch was applied
+    assert matched(index, tokens) == {"a:1": 8 * kv_events.SLICE_BLOCKS}  # and then all of it was
 
 
 def test_blocks_whose_parent_was_never_heard_of_are_skipped_and_counted() -> None:
@@ -142,7 +194,7 @@ async def test_the_subscriber_counts_stored_blocks_it_could_not_key() -> None:
     orphan = stored(prompt(2))
     orphan.parent_block_hash = 12345  # its parent's BlockStored never arrived
     try:
-        sub._handle(EndpointId("a:1"), 1, encode(orphan, stored(prompt(1))))
+        await sub._handle(EndpointId("a:1"), 1, encode(orphan, stored(prompt(1))))
     finally:
         await sub.close()
     assert problems == [("a:1", "unchained")] and matched(index, prompt(1)) == {"a:1": 1}
