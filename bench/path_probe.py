@@ -1,0 +1,84 @@
+"""Where a request's time to first token goes, hop by hop, from the probe in ``path_probe_site/``.
+
+    mkdir /tmp/probe
+    KVFLOW_PATH_PROBE=/tmp/probe PYTHONPATH=bench/path_probe_site \\
+        kvflow bench routing --workloads b --routers kvflow --factors 1.0 --seeds 0
+    python bench/path_probe.py /tmp/probe
+
+Joins the gateway's and the simulated pods' records by request id (their clocks are the
+machine's one monotonic clock) and prints the mean, median and p90 of every hop in ms: the
+gateway's work before it sends, the way to the pod, the pod's own front end, the engine, the
+way back. Under a peer router (no request ids), only the pods' hops are printed. Run one router
+per probe folder.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+Record = dict[str, float]
+Hop = tuple[str, Callable[[Record, Record], float]]
+
+GATEWAY_HOPS: list[Hop] = [
+    ("gateway: handled to serving (parse, validate, admit)", lambda g, p: g["serving"] - g["handled"]),
+    ("gateway: tokenize", lambda g, p: g["tokenize"]),
+    ("gateway: schedule", lambda g, p: g["schedule"]),
+    ("gateway: serving to sent", lambda g, p: g["sent"] - g["serving"]),
+    ("sent to the pod's handler", lambda g, p: p["handler"] - g["sent"]),
+]
+POD_HOPS: list[Hop] = [
+    ("pod: handler to engine", lambda g, p: p["engine"] - p["handler"]),
+    ("pod: engine TTFT", lambda g, p: p["first_token"] - p["engine"]),
+    ("pod: first token to written", lambda g, p: p["written"] - p["first_token"]),
+]
+BACK_HOPS: list[Hop] = [
+    ("pod written to the gateway holding it", lambda g, p: g["first_chunk"] - p["written"]),
+    ("gateway: handled to first chunk", lambda g, p: g["first_chunk"] - g["handled"]),
+]
+
+
+def load(folder: Path, role: str) -> tuple[list[Record], list[float]]:
+    records: list[Record] = []
+    lag: list[float] = []
+    for path in sorted(folder.glob(f"{role}-*.json")):
+        data = json.loads(path.read_text())
+        records += data["requests"]
+        lag += data.get("loop_lag", [])
+    return records, lag
+
+
+def summary(values: list[float]) -> str:
+    ordered = sorted(values)
+    p90 = ordered[int(0.9 * (len(ordered) - 1))]
+    return f"{statistics.mean(ordered) * 1e3:8.2f} {statistics.median(ordered) * 1e3:8.2f} {p90 * 1e3:8.2f}"
+
+
+def report(folder: Path) -> str:
+    gateway, lag = load(folder, "gateway")
+    pod_records = load(folder, "sim")[0]
+    pods = {r["rid"]: r for r in pod_records if r.get("rid")}
+    joined = [(g, pods[g["rid"]]) for g in gateway if g.get("rid") in pods and "schedule" in g]
+    lines = [f"{'hop (ms)':<54} {'mean':>8} {'median':>8} {'p90':>8}"]
+    if joined:
+        lines[0] += f"   ({len(joined)} requests joined by id)"
+        for name, hop in GATEWAY_HOPS + POD_HOPS + BACK_HOPS:
+            lines.append(f"{name:<54} {summary([hop(g, p) for g, p in joined])}")
+        if lag:
+            lines.append(f"{'gateway: event-loop lag on 5 ms timers':<54} {summary(lag)}")
+    elif pod_records:
+        lines[0] += f"   ({len(pod_records)} requests; no gateway records: the pods' hops only)"
+        for name, hop in POD_HOPS:
+            lines.append(f"{name:<54} {summary([hop({}, p) for p in pod_records])}")
+    else:
+        return f"no probe records in {folder}"
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python bench/path_probe.py PROBE_FOLDER")
+    print(report(Path(sys.argv[1])))

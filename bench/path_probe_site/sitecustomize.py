@@ -1,0 +1,155 @@
+"""Timestamps along the live path, for ``bench/path_probe.py`` (docs/router.md, "Every hop").
+
+Put this folder first on ``PYTHONPATH`` and name an output folder in ``KVFLOW_PATH_PROBE``;
+every ``kvflow gateway`` and ``kvflow sim`` process started so (a benchmark passes its
+environment on) then records, on the machine's shared monotonic clock, each streamed request's
+way through it, and writes ``<folder>/<role>-<pid>.json`` every second and at exit:
+
+* the gateway: handled, serving (parsed, validated, admitted), the time tokenizing and
+  scheduling took, sent to the pod, first chunk back, and its event loop's lag on 5 ms timers;
+* a simulated pod: its handler entered, the engine's arrival and first token, the first token
+  written out.
+
+Both key a request by the ``X-Request-Id`` the gateway forwards. A diagnostic only: it wraps
+the functions it times from outside and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_FOLDER = os.environ.get("KVFLOW_PATH_PROBE")
+_ROLE = sys.argv[1] if _FOLDER and len(sys.argv) > 1 and sys.argv[0] == "-m" else None  # python -m kvflow ROLE
+
+
+def _dump_every(seconds: float, role: str, state: dict[str, list[object]]) -> None:
+    """Write ``state`` now and then, and once more at exit."""
+    import atexit
+    import json
+    import threading
+    import time
+
+    path = f"{_FOLDER}/{role}-{os.getpid()}.json"
+
+    def dump() -> None:
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(state, f)
+            os.replace(path + ".tmp", path)
+        except (OSError, RuntimeError, ValueError):  # a list grew while dumping: the next dump has it
+            pass
+
+    def loop() -> None:
+        while True:
+            time.sleep(seconds)
+            dump()
+
+    atexit.register(dump)
+    threading.Thread(target=loop, daemon=True, name="path-probe").start()
+
+
+def _probe_gateway() -> None:
+    import asyncio
+    import contextvars
+    import time
+
+    from kvflow.gateway import app
+    from kvflow.router.router import Router
+
+    mono = time.monotonic
+    records: list[object] = []
+    lag: list[object] = []
+    current: contextvars.ContextVar[dict[str, float | str] | None] = contextvars.ContextVar("probe", default=None)
+    _dump_every(1.0, "gateway", {"requests": records, "loop_lag": lag})
+
+    async def lag_monitor() -> None:
+        while True:
+            t = mono()
+            await asyncio.sleep(0.005)
+            lag.append(mono() - t - 0.005)
+
+    started: list[asyncio.Task[None]] = []
+    handle, serve, try_targets, stream = app.Gateway.handle, app.Gateway._serve, app.try_targets, app.stream_response
+    tokenize, schedule = Router.tokenize, Router.schedule
+
+    async def handled(self, request, out):  # type: ignore[no-untyped-def]
+        if not started:
+            started.append(asyncio.get_running_loop().create_task(lag_monitor()))
+        current.set({"handled": mono()})
+        return await handle(self, request, out)
+
+    async def serving(self, request, out, ex, *args):  # type: ignore[no-untyped-def]
+        record = current.get()
+        if record is not None:
+            record.update(serving=mono(), rid=ex.request_id)
+        return await serve(self, request, out, ex, *args)
+
+    def timed(fn, key):  # type: ignore[no-untyped-def]
+        def wrapper(self, *args):  # type: ignore[no-untyped-def]
+            t = mono()
+            try:
+                return fn(self, *args)
+            finally:
+                record = current.get()
+                if record is not None:
+                    record[key] = mono() - t
+        return wrapper
+
+    async def sent(upstream, ex, *args, **kwargs):  # type: ignore[no-untyped-def]
+        record = current.get()
+        if record is not None:
+            record["sent"] = mono()
+        answer = await try_targets(upstream, ex, *args, **kwargs)
+        if record is not None:
+            record["first_chunk"] = mono()
+        return answer
+
+    async def relayed(out, ex, answer, idle):  # type: ignore[no-untyped-def]
+        record = current.get()
+        if record is not None and "first_chunk" in record:
+            records.append(record)
+        return await stream(out, ex, answer, idle)
+
+    app.Gateway.handle, app.Gateway._serve, app.try_targets, app.stream_response = handled, serving, sent, relayed
+    Router.tokenize, Router.schedule = timed(tokenize, "tokenize"), timed(schedule, "schedule")
+
+
+def _probe_sim() -> None:
+    import time
+
+    from kvflow.sim import choices, server
+
+    mono = time.monotonic
+    records: list[object] = []
+    waiting: dict[int, tuple[dict[str, float | str | None], object]] = {}
+    _dump_every(1.0, "sim", {"requests": records})
+    completions, stream, chunks = server.completions, server._stream, choices.Generation.chunks
+
+    async def handler(request):  # type: ignore[no-untyped-def]
+        request["path_probe"] = {"rid": request.headers.get("X-Request-Id"), "handler": mono()}
+        return await completions(request)
+
+    async def streamed(request, state, gen, *args):  # type: ignore[no-untyped-def]
+        record = request.get("path_probe")
+        if record is not None:
+            waiting[id(gen)] = (record, gen.choices[0].req)
+        return await stream(request, state, gen, *args)
+
+    def first_out(self, fmt, holdback):  # type: ignore[no-untyped-def]
+        out, finished = chunks(self, fmt, holdback)
+        found = waiting.get(id(self))
+        if found is not None and out and found[1].first_token_at is not None:  # type: ignore[attr-defined]
+            del waiting[id(self)]
+            record, req = found
+            record.update(engine=req.arrival, first_token=req.first_token_at, written=mono())  # type: ignore[attr-defined]
+            records.append(record)
+        return out, finished
+
+    server.completions, server._stream, choices.Generation.chunks = handler, streamed, first_out
+
+
+if _ROLE == "gateway":
+    _probe_gateway()
+elif _ROLE == "sim":
+    _probe_sim()
