@@ -70,7 +70,10 @@ def test_the_router_counts_what_it_sends_to_a_pod_in_its_working_set() -> None:
     router.request_started(SchedulingRequest("r", "m", prompt), result)
     sent, other = (router.datastore.counter(p.id) for p in (result.targets[0], result.targets[1]))
     assert sent is not None and other is not None
-    assert sent.working_set.tokens == pytest.approx(len(prompt), rel=0.1)
+    # The blocks it sampled are exactly the prompt's under this router's (random) secret; how
+    # near that sample comes to the prompt's length is the estimate's business, tested above.
+    keys = router.fingerprinter.prompt(prompt).array
+    assert sent.working_set.tokens == int(np.count_nonzero((keys & np.uint64(15)) == 0)) * 16 * 16
     assert other.working_set.tokens == 0
     now[0] = 6.0
     router.datastore.record_scrape(result.targets[0].id, EngineMetrics(num_blocks=10_000, block_size=16), 6.0)
