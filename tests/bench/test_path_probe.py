@@ -21,6 +21,9 @@ TINY = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
 WAY = ["handled", "serving", "sent", "handler", "engine", "first_token"]
 """Stamps in the order a request passes them (the pod writes the first token out after it is
 produced, but the engine's planned time may lead the write by less than its clock's tick)."""
+TICK = 0.001
+"""The simulator's timer resolution (uvloop's whole milliseconds, docs/simulator.md): a token's
+planned time may be up to this much after the moment it is really delivered, and read."""
 
 
 async def test_every_streamed_request_is_stamped_on_both_sides_and_joined_by_its_id(tmp_path: Path,
@@ -41,6 +44,6 @@ async def test_every_streamed_request_is_stamped_on_both_sides_and_joined_by_its
         p = pods[g["rid"]]
         stamps = {**g, **p}
         assert [stamps[k] for k in WAY] == sorted(stamps[k] for k in WAY)
-        assert p["first_token"] <= g["first_chunk"] and p["written"] <= g["first_chunk"]
+        assert p["written"] <= g["first_chunk"] and p["first_token"] <= g["first_chunk"] + TICK
         assert 0 < g["tokenize"] + g["schedule"] <= g["sent"] - g["serving"]
     assert f"({row.requests} requests joined by id)" in path_probe.report(probe)
