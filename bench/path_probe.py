@@ -28,7 +28,9 @@ Hop = tuple[str, Callable[[Record, Record], float]]
 GATEWAY_HOPS: list[Hop] = [
     ("gateway: handled to serving (parse, validate, admit)", lambda g, p: g["serving"] - g["handled"]),
     ("gateway: tokenize", lambda g, p: g["tokenize"]),
+    ("gateway: tokenize, its thread's CPU time", lambda g, p: g["tokenize_cpu"]),
     ("gateway: schedule", lambda g, p: g["schedule"]),
+    ("gateway: schedule, its thread's CPU time", lambda g, p: g["schedule_cpu"]),
     ("gateway: serving to sent", lambda g, p: g["sent"] - g["serving"]),
     ("sent to the pod's handler", lambda g, p: p["handler"] - g["sent"]),
 ]

@@ -6,7 +6,8 @@ environment on) then records, on the machine's shared monotonic clock, each stre
 way through it, and writes ``<folder>/<role>-<pid>.json`` every second and at exit:
 
 * the gateway: handled, serving (parsed, validated, admitted), the time tokenizing and
-  scheduling took, sent to the pod, first chunk back, and its event loop's lag on 5 ms timers;
+  scheduling took (wall and the thread's CPU time: the difference is the time the process was
+  not running), sent to the pod, first chunk back, and its event loop's lag on 5 ms timers;
 * a simulated pod: its handler entered, the engine's arrival and first token, the first token
   written out.
 
@@ -57,7 +58,7 @@ def _probe_gateway() -> None:
     from kvflow.gateway import app
     from kvflow.router.router import Router
 
-    mono = time.monotonic
+    mono, thread_time = time.monotonic, time.thread_time
     records: list[object] = []
     lag: list[object] = []
     current: contextvars.ContextVar[dict[str, float | str] | None] = contextvars.ContextVar("probe", default=None)
@@ -87,13 +88,13 @@ def _probe_gateway() -> None:
 
     def timed(fn, key):  # type: ignore[no-untyped-def]
         def wrapper(self, *args):  # type: ignore[no-untyped-def]
-            t = mono()
+            t, cpu = mono(), thread_time()
             try:
                 return fn(self, *args)
             finally:
                 record = current.get()
                 if record is not None:
-                    record[key] = mono() - t
+                    record[key], record[key + "_cpu"] = mono() - t, thread_time() - cpu
         return wrapper
 
     async def sent(upstream, ex, *args, **kwargs):  # type: ignore[no-untyped-def]
