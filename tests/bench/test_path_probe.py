@@ -23,7 +23,7 @@ WAY = ["handled", "serving", "sent", "handler", "engine", "first_token"]
 produced, but the engine's planned time may lead the write by less than its clock's tick)."""
 TICK = 0.001
 """The simulator's timer resolution (uvloop's whole milliseconds, docs/simulator.md): a token's
-planned time may be up to this much after the moment it is really delivered, and read."""
+planned time can trail its delivery, and the gateway's read of it, by up to this much."""
 
 
 async def test_every_streamed_request_is_stamped_on_both_sides_and_joined_by_its_id(tmp_path: Path,

@@ -10,7 +10,7 @@ import pytest
 from kvflow.endpoints import Endpoint
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.model import LoadCounter
-from kvflow.router.working_set import WorkingSet
+from kvflow.router.working_set import SAMPLE_BITS, WorkingSet
 
 
 def blocks(n: int, seed: int) -> np.ndarray:
@@ -73,7 +73,8 @@ def test_the_router_counts_what_it_sends_to_a_pod_in_its_working_set() -> None:
     # The blocks it sampled are exactly the prompt's under this router's (random) secret; how
     # near that sample comes to the prompt's length is the estimate's business, tested above.
     keys = router.fingerprinter.prompt(prompt).array
-    assert sent.working_set.tokens == int(np.count_nonzero((keys & np.uint64(15)) == 0)) * 16 * 16
+    sampled = int(np.count_nonzero((keys & np.uint64((1 << SAMPLE_BITS) - 1)) == 0))
+    assert sent.working_set.tokens == sampled * (16 << SAMPLE_BITS)
     assert other.working_set.tokens == 0
     now[0] = 6.0
     router.datastore.record_scrape(result.targets[0].id, EngineMetrics(num_blocks=10_000, block_size=16), 6.0)
