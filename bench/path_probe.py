@@ -48,10 +48,10 @@ BACK_HOPS: list[Hop] = [
 def load(folder: Path, role: str) -> tuple[list[Record], list[float]]:
     records: list[Record] = []
     lag: list[float] = []
-    for path in sorted(folder.glob(f"{role}-*.json")):
-        data = json.loads(path.read_text())
-        records += data["requests"]
-        lag += data.get("loop_lag", [])
+    for path in sorted(folder.glob(f"{role}-*.jsonl")):
+        for line in path.read_text().splitlines():
+            key, item = json.loads(line)
+            (records if key == "requests" else lag).append(item)
     return records, lag
 
 

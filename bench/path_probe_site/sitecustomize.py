@@ -3,7 +3,7 @@
 Put this folder first on ``PYTHONPATH`` and name an output folder in ``KVFLOW_PATH_PROBE``;
 every ``kvflow gateway`` and ``kvflow sim`` process started so (a benchmark passes its
 environment on) then records, on the machine's shared monotonic clock, each streamed request's
-way through it, and writes ``<folder>/<role>-<pid>.json`` every second and at exit:
+way through it, and appends it to ``<folder>/<role>-<pid>.jsonl`` every second and at exit:
 
 * the gateway: handled, serving (parsed, validated, admitted), the time tokenizing and
   scheduling took (wall and the thread's CPU time: the difference is the time the process was
@@ -25,21 +25,23 @@ _ROLE = sys.argv[1] if _FOLDER and len(sys.argv) > 1 and sys.argv[0] == "-m" els
 
 
 def _dump_every(seconds: float, role: str, state: dict[str, list[object]]) -> None:
-    """Write ``state`` now and then, and once more at exit."""
+    """Append what ``state``'s lists gained, a JSON line per item, now and then and once more
+    at exit (items are appended to the lists complete, so each is written once)."""
     import atexit
     import json
     import threading
     import time
 
-    path = f"{_FOLDER}/{role}-{os.getpid()}.json"
+    path = f"{_FOLDER}/{role}-{os.getpid()}.jsonl"
+    written = dict.fromkeys(state, 0)
+    lock = threading.Lock()
 
     def dump() -> None:
-        try:
-            with open(path + ".tmp", "w") as f:
-                json.dump(state, f)
-            os.replace(path + ".tmp", path)
-        except (OSError, RuntimeError, ValueError):  # a list grew while dumping: the next dump has it
-            pass
+        with lock, open(path, "a") as f:
+            for key, items in state.items():
+                end = len(items)
+                f.writelines(json.dumps([key, item]) + "\n" for item in items[written[key]:end])
+                written[key] = end
 
     def loop() -> None:
         while True:
