@@ -66,7 +66,8 @@ class Scorer(Protocol):
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
         """A score in [0, 1] per endpoint (clamped; a missing endpoint scores 0). An empty mapping
-        abstains: a scorer with nothing to tell apart (no LoRA, no session) costs nothing then."""
+        abstains: a scorer with nothing to tell apart (no LoRA, no session) costs nothing then.
+        A scorer that scores every endpoint may return ``Scores(endpoints, values)``, in order."""
         ...
 
 
@@ -136,7 +137,7 @@ class Profile:
             if not candidates:
                 raise NoCapacityError(f"no endpoint can serve model {cycle.request.model!r} (filter {f.name})")
         ids = [ep.id for ep in candidates]
-        totals = [0.0] * len(ids)
+        totals: list[float] | None = None
         by_scorer: dict[str, Mapping[EndpointId, float]] = {}
         for scorer, weight in self.scorers:
             got = scorer.score(cycle, candidates)
@@ -145,13 +146,48 @@ class Profile:
             by_scorer[scorer.name] = got
             # Each total is summed in scorer order: the same floats whatever the endpoint count.
             # A missing endpoint scores 0, and scores are clamped to [0, 1].
-            totals = [
-                t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
-                for t, s in zip(totals, map(got.get, ids, repeat(0.0)))
-            ]
+            values = got.aligned if type(got) is Scores and got.endpoints is candidates else map(got.get, ids, repeat(0.0))
+            if totals is None:
+                totals = [weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s) for s in values]
+            else:
+                totals = [t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s) for t, s in zip(totals, values)]
+        if totals is None:
+            totals = [0.0] * len(ids)
         scores = _PerEndpoint(by_scorer, ids)
         ordered = self.picker.pick(cycle, list(zip(candidates, totals)))
-        return ProfileRun(self.name, tuple(ordered), dict(zip(ids, totals)), scores, filtered)
+        return ProfileRun(self.name, tuple(ordered), Scores(candidates, totals), scores, filtered)
+
+
+class Scores(Mapping[EndpointId, float]):
+    """Scores aligned with the endpoints a scorer was given (``values[i]`` is ``endpoints[i]``'s).
+
+    A scorer that scores every endpoint returns this instead of a dict: the runner then adds the
+    values up in order, with no dict to build and none to look up, which is most of a thousand
+    endpoints' cost. Read as a mapping (tests, debug output) it is keyed by endpoint id."""
+
+    __slots__ = ("endpoints", "aligned", "_by_id")
+
+    def __init__(self, endpoints: Sequence[EndpointView], aligned: list[float]) -> None:
+        self.endpoints = endpoints
+        self.aligned = aligned
+        self._by_id: dict[EndpointId, float] | None = None
+
+    def _mapping(self) -> dict[EndpointId, float]:
+        if self._by_id is None:
+            self._by_id = {ep.id: v for ep, v in zip(self.endpoints, self.aligned)}
+        return self._by_id
+
+    def __getitem__(self, eid: EndpointId) -> float:
+        return self._mapping()[eid]
+
+    def __iter__(self) -> Iterator[EndpointId]:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self.aligned)
+
+    def __repr__(self) -> str:
+        return f"Scores({self._mapping()!r})"
 
 
 def _clamp(s: float) -> float:

@@ -37,12 +37,11 @@ where it is cached, since a short queue there costs less than recomputing it.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from pydantic import Field
 
-from kvflow.endpoints import EndpointId
-from kvflow.router.framework import Cycle
+from kvflow.router.framework import Cycle, Scores
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.prefix_cache import precise_matches
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
@@ -75,13 +74,14 @@ class TtftScorer:
         self.evict_weight = params.evict_weight
         self.step_tokens = ctx.step_tokens
 
-    def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> dict[EndpointId, float]:
-        """Each pod's estimated time to first token for this request (seconds, or tokens of work).
+    def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> list[float]:
+        """Each pod's estimated time to first token for this request (seconds, or tokens of work),
+        in the order of ``endpoints``.
 
-        The arithmetic is inlined, in one pass for the work and one to turn it into seconds: this
-        runs for every endpoint of every decision, and a thousand pods must cost well under a
-        millisecond. Other routers' waiting requests (rare: several router replicas) are added
-        for the pods that have them once the mean work per request is known."""
+        The arithmetic is inlined, in one pass: this runs for every endpoint of every decision,
+        and a thousand pods must cost well under a millisecond. Pods whose speed is not observed
+        yet, and other routers' waiting requests (rare: several router replicas), are seen to
+        after it, once the pool's median speed and the mean work per request are known."""
         prompt = cycle.prompt_tokens
         matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
         held = matches.get
@@ -92,12 +92,11 @@ class TtftScorer:
             best_cached = max((n for eid, n in matches.items() if eid in candidates), default=0) * bs
         step, per_decode, batch, copy_weight = self.step_tokens, self.decode_tokens, self.batch_tokens, self.copy_weight
         evict_weight = self.evict_weight
-        ids = [ep.id for ep in endpoints]
-        works: list[float] = []
-        speeds: list[float] = []
-        """Observed seconds per token, or minus the configured one for a pod not observed yet."""
+        estimates: list[float] = []
+        unobserved: list[int] = []
+        """Pods not observed yet: their estimate is still in tokens of work."""
         foreign: list[tuple[int, float, float, int, int]] = []
-        for ep, eid in zip(endpoints, ids):
+        for ep in endpoints:
             c = ep.counter
             spt = c.seconds_per_token
             queued = c.backlog  # what is left of it: FIFO work draining since, cut short by first tokens
@@ -108,7 +107,7 @@ class TtftScorer:
                     queued = known
                 if queued < 0.0:
                     queued = 0.0
-            cached = held(eid, 0) * bs
+            cached = held(ep.id, 0) * bs
             uncached = prompt - cached
             work = queued + (uncached if uncached > 1 else 1)
             copy = copy_weight * (best_cached - cached)
@@ -117,24 +116,30 @@ class TtftScorer:
                 copy += evict_weight * (over if over < uncached else uncached)
             decoding = c.in_flight - c.prefilling + c.foreign_running
             if c.foreign_waiting:
-                foreign.append((len(works), work, copy, decoding, c.foreign_waiting))
-            works.append(work + copy + (1 + work // batch) * (step + decoding * per_decode))
-            speeds.append(spt if spt > 0.0 else -1.0 / c.default_rate)
+                foreign.append((len(estimates), work, copy, decoding, c.foreign_waiting))
+            if spt > 0.0:
+                estimates.append((work + copy + (1 + work // batch) * (step + decoding * per_decode)) * spt)
+            else:
+                unobserved.append(len(estimates))
+                estimates.append(work + copy + (1 + work // batch) * (step + decoding * per_decode))
         if foreign:
             sent = sum(ep.counter.sent_requests for ep in endpoints)
             mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
             for i, work, copy, decoding, waiting in foreign:
                 work += waiting * mean_work
-                works[i] = work + copy + (1 + work // batch) * (step + decoding * per_decode)
-        observed = [s for s in speeds if s > 0.0]
-        if len(observed) == len(speeds):
-            return dict(zip(ids, [w * s for w, s in zip(works, speeds)]))
-        # a pod not observed yet is as fast as the pool's median, else the configured rate
-        median = statistics.median(observed) if observed else 0.0
-        return {eid: w * (s if s > 0.0 else median or -s) for eid, w, s in zip(ids, works, speeds)}
+                estimates[i] = work + copy + (1 + work // batch) * (step + decoding * per_decode)
+                spt = endpoints[i].counter.seconds_per_token
+                if spt > 0.0:
+                    estimates[i] *= spt
+        if unobserved:
+            # a pod not observed yet is as fast as the pool's median, else the configured rate
+            observed = [s for ep in endpoints if (s := ep.counter.seconds_per_token) > 0.0]
+            median = statistics.median(observed) if observed else 0.0
+            for i in unobserved:
+                estimates[i] *= median or 1.0 / endpoints[i].counter.default_rate
+        return estimates
 
-    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Scores:
         estimates = self.estimates(cycle, endpoints)
-        cycle.data["ttft"] = estimates
-        best = min(estimates.values(), default=0.0)
-        return {eid: best / est if est > 0 else 1.0 for eid, est in estimates.items()}
+        best = min(estimates, default=0.0)
+        return Scores(endpoints, [best / est if est > 0 else 1.0 for est in estimates])

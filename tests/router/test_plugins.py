@@ -204,3 +204,44 @@ def test_a_profile_clamps_scores_counts_missing_endpoints_as_zero_and_skips_abst
     run = profile.run(cycle(), [view(2), view(3), view(4)])
     assert {k.split(":")[0].rsplit(".", 1)[1]: v for k, v in run.totals.items()} == {"2": 2.0, "3": 0.0, "4": 0.0}
     assert dict(run.scores[view(2).id]) == {"wild": 1.0} and ids(run.targets)[0] == "2"
+
+
+def test_scores_in_endpoint_order_add_up_as_the_same_scores_by_id() -> None:
+    from kvflow.router.framework import Profile, Scores
+
+    class ByOrder:
+        def __init__(self, name: str, values: list[float], by_id: bool) -> None:
+            self.name, self.values, self.by_id = name, values, by_id
+
+        def score(self, cycle, endpoints):  # type: ignore[no-untyped-def]
+            if self.by_id:
+                return {ep.id: v for ep, v in zip(endpoints, self.values)}
+            return Scores(endpoints, list(self.values))
+
+    views = [view(2), view(3), view(4)]
+    runs = []
+    for by_id in (True, False):
+        scorers = ((ByOrder("a", [0.25, 1.5, -1.0], by_id), 4.0), (ByOrder("b", [0.5, 0.0, 1.0], by_id), 1.0))
+        runs.append(Profile("p", (), scorers, plugin("max-score-picker", maxTargets=3)).run(cycle(), views))
+    by_id, aligned = runs
+    assert dict(aligned.totals) == dict(by_id.totals) == {views[0].id: 1.5, views[1].id: 4.0, views[2].id: 1.0}
+    assert ids(aligned.targets) == ids(by_id.targets) == ["3", "2", "4"]
+    assert dict(aligned.scores[views[1].id]) == {"a": 1.0, "b": 0.0}  # read back by id, clamped
+    scores = Scores(views, [0.1, 0.2, 0.3])
+    assert scores[views[2].id] == 0.3 and list(scores) == [v.id for v in views] and len(scores) == 3
+
+
+def test_aligned_scores_for_other_endpoints_are_read_by_id() -> None:
+    """A scorer that answers for endpoints other than the ones it was given (a copy, a subset)
+    is read by id: only the endpoints it names score."""
+    from kvflow.router.framework import Profile, Scores
+
+    class Subset:
+        name = "subset"
+
+        def score(self, cycle, endpoints):  # type: ignore[no-untyped-def]
+            return Scores(endpoints[1:], [1.0] * (len(endpoints) - 1))
+
+    views = [view(2), view(3), view(4)]
+    run = Profile("p", (), ((Subset(), 1.0),), plugin("max-score-picker", maxTargets=3)).run(cycle(), views)
+    assert dict(run.totals) == {views[0].id: 0.0, views[1].id: 1.0, views[2].id: 1.0}

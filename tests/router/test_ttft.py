@@ -63,9 +63,8 @@ def run(
     request = SchedulingRequest("r", "m", PROMPT)
     cycle = Cycle(request, precise.fingerprinter.prompt(PROMPT), random.Random(0), 16, now=0.0)
     scores = scorer.score(cycle, views)
-    estimates = cycle.data["ttft"]
     assert max(scores.values()) == 1.0
-    return {i: estimates[ep.id] for i, ep in enumerate(eps)}
+    return dict(enumerate(scorer.estimates(cycle, views)))
 
 
 def test_a_cached_prefix_wins_on_idle_pods() -> None:
