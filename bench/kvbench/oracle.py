@@ -37,7 +37,7 @@ from typing import Protocol
 from kvflow.hashing import BlockHash
 from kvflow.sim.profiles import Profile
 from kvflow.sim.request import BlockHasher, HashConfig, SimRequest
-from kvflow.sim.scheduler import Scheduler, SchedulerConfig
+from kvflow.sim.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 from kvbench.workloads import Trace, TraceRequest
 
@@ -157,13 +157,17 @@ class Clairvoyant:
     def estimate(self, prepared: Prepared, pod: Pod, now: float, profile: Profile) -> float:
         sched = pod.scheduler
         own = len(prepared.token_ids) - self.cached_tokens(prepared, pod)
+        # The step now running computes its chunks by ``step_end`` (counted above as the wait
+        # for it): only what is left after it is ahead. A prompt it finishes decodes from then on.
+        in_step = {id(req): n for req, n in pod.plan.scheduled} if isinstance(pod.plan, StepPlan) else {}
         ahead = decoding = ctx = 0
         for req in sched.running:
-            if req.num_computed < len(req.prompt_ids):
-                ahead += len(req.prompt_ids) - req.num_computed
+            computed = req.num_computed + in_step.get(id(req), 0)
+            if computed < len(req.prompt_ids):
+                ahead += len(req.prompt_ids) - computed
             else:
                 decoding += 1
-                ctx += req.num_computed
+                ctx += computed
         for req in sched.waiting:
             ahead += pod.expected_uncached.get(req.request_id, len(req.all_token_ids))
         tokens = ahead + own

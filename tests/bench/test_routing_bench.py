@@ -110,3 +110,24 @@ def test_a_request_the_router_refuses_counts_as_an_error_in_the_replay() -> None
     assert sum(result.requests_per_pod) == len(trace.requests) - len(refused)
     row = report.replay_row("smoke", "refusing", trace.rate, result.ttft)
     assert row.errors == len(refused)
+
+
+def test_the_oracle_counts_the_chunk_a_running_step_computes_once() -> None:
+    """A pod mid-step: the step ends at ``step_end`` with its chunk computed. A request sent now
+    waits for that end, then computes its own prompt beside the first one's decode; the chunk in
+    flight is not queued ahead of it a second time."""
+    profile = get_profile("h100-llama8b")
+    trace = TINY.trace(20.0, 4.0)
+    prepared = oracle.prepare(trace)
+    first, new = prepared[0], next(p for p in prepared if p.hashes[0] != prepared[0].hashes[0])
+    config = oracle.SchedulerConfig(block_size=16, num_blocks=300, max_num_batched_tokens=profile.max_num_batched_tokens,
+                                    kv_transfer=False)
+    pod = oracle.Pod(0, oracle.Scheduler(config, oracle._sampler()))
+    pod.scheduler.add(oracle._sim_request(first, 0.0))
+    pod.plan = plan = pod.scheduler.schedule(0.0)
+    assert plan.prefill_tokens == len(first.token_ids)  # the whole prompt in this one step
+    pod.step_end = profile.step_seconds(0, 0, plan.prefill_tokens)
+    now = pod.step_end / 2
+    after = profile.step_seconds(1, len(first.token_ids), len(new.token_ids))  # its prompt, the first's decode
+    got = oracle.Clairvoyant().estimate(new, pod, now, profile)
+    assert math.isclose(got, pod.step_end - now + after)
