@@ -91,12 +91,14 @@ class Router:
         profile: str = "default",
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = monotonic,
+        secret: bytes | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(None)
         self.approx = ApproxPrefixIndex(config.approx_capacity)
-        self.fingerprinter = Fingerprinter(config.block_size)
-        """The router's block keys (one secret per router): prompts and KV events alike."""
+        self.fingerprinter = Fingerprinter(config.block_size, secret=secret)
+        """The router's block keys (one random secret per router, or ``secret`` where a replay
+        must repeat exactly): prompts and KV events alike."""
         self.precise = PrefixIndex(fingerprinter=self.fingerprinter)
         self.speculative = SpeculativeIndex(config.speculative_ttl)
         self.event_sources: set[EndpointId] = set()

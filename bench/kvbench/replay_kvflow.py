@@ -31,18 +31,22 @@ from kvflow.sim.profiles import Profile
 from kvbench.oracle import HASH, Pod, Prepared
 
 MODEL = "sim-model"
+SECRET = b"kvflow-replay".ljust(32, b"\0")
+"""The router's fingerprint key in the replay: fixed, so a replay repeats exactly. (The key
+decides which blocks the working set samples, so another key is another, equally likely, run;
+a live router draws its own.)"""
 
 
 class KvflowReplay:
     """A ``Policy`` and ``Observer`` for ``oracle.replay``: the real router, on the replay's clock."""
 
     def __init__(self, pods: int, num_blocks: int, *, profile: str = "default",
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, secret: bytes = SECRET) -> None:
         self.name = f"kvflow {profile} (replay)"
         self.now = 0.0
         self.endpoints = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(pods)]
         raw = {"kvEvents": {"enabled": False}, "blockSize": HASH.block_size, **(config or {})}
-        self.router = Router(load_config(raw), self.endpoints, profile=profile, clock=lambda: self.now)
+        self.router = Router(load_config(raw), self.endpoints, profile=profile, clock=lambda: self.now, secret=secret)
         self.scrape_interval = self.router.config.scrape_interval
         self.num_blocks = num_blocks
         self.flights: dict[int, Flight] = {}
