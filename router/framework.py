@@ -159,7 +159,7 @@ class Profile:
 
 
 class Scores(Mapping[EndpointId, float]):
-    """Scores aligned with the endpoints a scorer was given (``values[i]`` is ``endpoints[i]``'s).
+    """Scores aligned with the endpoints a scorer was given (``aligned[i]`` is ``endpoints[i]``'s).
 
     A scorer that scores every endpoint returns this instead of a dict: the runner then adds the
     values up in order, with no dict to build and none to look up, which is most of a thousand

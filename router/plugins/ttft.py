@@ -80,7 +80,7 @@ class TtftScorer:
 
         The arithmetic is inlined, in one pass: this runs for every endpoint of every decision,
         and a thousand pods must cost well under a millisecond. Pods whose speed is not observed
-        yet, and other routers' waiting requests (rare: several router replicas), are seen to
+        yet, and other routers' waiting requests (rare: several router replicas), are filled in
         after it, once the pool's median speed and the mean work per request are known."""
         prompt = cycle.prompt_tokens
         matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
