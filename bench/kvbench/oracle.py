@@ -127,13 +127,20 @@ class Clairvoyant:
     def pick(self, prepared: Prepared, pods: Sequence[Pod], now: float, profile: Profile) -> int:
         best, best_t = 0, math.inf
         for pod in pods:
-            t = self.estimate(prepared, pod, now, profile)
-            if self.capacity_weight:
-                own = len(prepared.token_ids) - self.cached_tokens(prepared, pod)
-                t += self.capacity_weight * own * profile.prefill_per_token_s
+            t = self.cost(prepared, pod, now, profile)
             if t < best_t - 1e-9:
                 best, best_t = pod.index, t
         return best
+
+    def cost(self, prepared: Prepared, pod: Pod, now: float, profile: Profile, cached: int | None = None) -> float:
+        """What sending the request to ``pod`` costs: its estimated TTFT, plus the capacity weight
+        times the prefill compute it takes from the pod. ``cached``: ``cached_tokens``, if known."""
+        if cached is None:
+            cached = self.cached_tokens(prepared, pod)
+        t = self.estimate(prepared, pod, now, profile, cached)
+        if self.capacity_weight:
+            t += self.capacity_weight * (len(prepared.token_ids) - cached) * profile.prefill_per_token_s
+        return t
 
     @staticmethod
     def cached_tokens(prepared: Prepared, pod: Pod) -> int:
@@ -154,26 +161,33 @@ class Clairvoyant:
             hit = max(hit, n)
         return hit * bs
 
-    def estimate(self, prepared: Prepared, pod: Pod, now: float, profile: Profile) -> float:
+    def estimate(self, prepared: Prepared, pod: Pod, now: float, profile: Profile, cached: int | None = None) -> float:
         sched = pod.scheduler
-        own = len(prepared.token_ids) - self.cached_tokens(prepared, pod)
-        # The step now running computes its chunks by ``step_end`` (counted above as the wait
-        # for it): only what is left after it is ahead. A prompt it finishes decodes from then on.
-        in_step = {id(req): n for req, n in pod.plan.scheduled} if isinstance(pod.plan, StepPlan) else {}
-        ahead = decoding = ctx = 0
-        for req in sched.running:
-            computed = req.num_computed + in_step.get(id(req), 0)
-            if computed < len(req.prompt_ids):
-                ahead += len(req.prompt_ids) - computed
-            else:
-                decoding += 1
-                ctx += computed
-        for req in sched.waiting:
-            ahead += pod.expected_uncached.get(req.request_id, len(req.all_token_ids))
+        own = len(prepared.token_ids) - (self.cached_tokens(prepared, pod) if cached is None else cached)
+        ahead, decoding, ctx = after_step(pod)
         tokens = ahead + own
         steps = max(1, math.ceil(tokens / sched.config.max_num_batched_tokens))
         step = profile.step_base_s + decoding * profile.decode_per_seq_s + ctx * profile.decode_per_ctx_token_s
         return max(0.0, pod.step_end - now) + steps * step + tokens * profile.prefill_per_token_s
+
+
+def after_step(pod: Pod) -> tuple[int, int, int]:
+    """The pod once the step now running ends (at ``step_end``, having computed its chunks):
+    prompt tokens still to compute (running prompts' rest, waiting requests' uncached tokens),
+    requests decoding, and their context tokens. A prompt the step finishes decodes from then on."""
+    sched = pod.scheduler
+    in_step = {id(req): n for req, n in pod.plan.scheduled} if isinstance(pod.plan, StepPlan) else {}
+    ahead = decoding = ctx = 0
+    for req in sched.running:
+        computed = req.num_computed + in_step.get(id(req), 0)
+        if computed < len(req.prompt_ids):
+            ahead += len(req.prompt_ids) - computed
+        else:
+            decoding += 1
+            ctx += computed
+    for req in sched.waiting:
+        ahead += pod.expected_uncached.get(req.request_id, len(req.all_token_ids))
+    return ahead, decoding, ctx
 
 
 @dataclass(frozen=True, slots=True)

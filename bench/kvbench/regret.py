@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from kvflow.errors import RateLimitError
 from kvflow.router import SchedulingRequest
 from kvflow.sim.profiles import Profile
-from kvflow.sim.scheduler import StepPlan
 
-from kvbench.oracle import HASH, Clairvoyant, Pod, Prepared
+from kvbench.oracle import HASH, Clairvoyant, Pod, Prepared, after_step
 from kvbench.replay_kvflow import MODEL, KvflowReplay
 
 CAUSES = ("stale cache", "missed cache", "load")
@@ -125,14 +124,7 @@ def summarise(decisions: Sequence[Decision], threshold: float = 0.002) -> Summar
 def ahead_tokens(pod: Pod, now: float, profile: Profile) -> float:
     """Prefill work ahead of a request sent to ``pod`` now, in tokens: the running step's rest
     (at the profile's prefill speed), then every prompt token still to compute after it."""
-    sched = pod.scheduler
-    in_step = {id(req): n for req, n in pod.plan.scheduled} if isinstance(pod.plan, StepPlan) else {}
-    ahead = max(0.0, pod.step_end - now) / profile.prefill_per_token_s
-    for req in sched.running:
-        ahead += max(0, len(req.prompt_ids) - req.num_computed - in_step.get(id(req), 0))
-    for req in sched.waiting:
-        ahead += pod.expected_uncached.get(req.request_id, len(req.all_token_ids))
-    return ahead
+    return max(0.0, pod.step_end - now) / profile.prefill_per_token_s + after_step(pod)[0]
 
 
 class RegretReplay(KvflowReplay):
@@ -151,11 +143,7 @@ class RegretReplay(KvflowReplay):
         ahead = tuple(ahead_tokens(pod, now, profile) for pod in pods)
         n = len(prepared.token_ids)
         cached = tuple(Clairvoyant.cached_tokens(prepared, pod) for pod in pods)
-        cost = tuple(
-            self.oracle.estimate(prepared, pod, now, profile)
-            + self.oracle.capacity_weight * (n - c) * profile.prefill_per_token_s
-            for pod, c in zip(pods, cached, strict=True)
-        )
+        cost = tuple(self.oracle.cost(prepared, pod, now, profile, c) for pod, c in zip(pods, cached, strict=True))
         request = SchedulingRequest(str(prepared.request.index), MODEL, list(prepared.token_ids))
         blocks = prepared.hashes[: (n - 1) // HASH.block_size]
         fingerprints = self.router.fingerprints(request)
