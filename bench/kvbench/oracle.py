@@ -200,14 +200,19 @@ class ReplayResult:
     hit_rate: float
 
 
+def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = False) -> Pod:
+    """An idle pod of the replay: the simulator's scheduler, ``num_blocks`` KV blocks, the
+    profile's token budget; ``events``: its pool records KV events."""
+    config = SchedulerConfig(block_size=HASH.block_size, num_blocks=num_blocks,
+                             max_num_batched_tokens=profile.max_num_batched_tokens, kv_transfer=False)
+    return Pod(index, Scheduler(config, _sampler(), enable_events=events))
+
+
 def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blocks: int,
            prepared: Sequence[Prepared] | None = None) -> ReplayResult:
     prepared = list(prepared) if prepared is not None else prepare(trace)
-    config = SchedulerConfig(block_size=HASH.block_size, num_blocks=num_blocks,
-                             max_num_batched_tokens=profile.max_num_batched_tokens, kv_transfer=False)
-    sampler = _sampler()
     observer: Observer | None = policy if hasattr(policy, "stepped") else None  # type: ignore[assignment]
-    fleet = [Pod(i, Scheduler(config, sampler, enable_events=observer is not None)) for i in range(pods)]
+    fleet = [new_pod(i, profile, num_blocks, events=observer is not None) for i in range(pods)]
     n = len(prepared)
     ttft, finished = [math.nan] * n, [math.nan] * n
     arrival = [0.0] * n

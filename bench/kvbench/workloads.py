@@ -178,6 +178,9 @@ WORKLOADS: dict[str, Workload] = {
         Workload("d", "shared-prefix", decode_pods=2, prefill_pods=2),
     )
 }
+SMOKE = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
+                 params=(("groups", 4), ("per_group", 3), ("system_len", 600), ("question_len", 100), ("output_len", 8)))
+"""Two pods and a few short shared prefixes: a workload the tests replay, or run live, in seconds."""
 def describe(workload: Workload) -> str:
     return DESCRIPTIONS.get(workload.name, f"{workload.shape} {dict(workload.params)}")
 

@@ -14,17 +14,14 @@ from pathlib import Path
 
 from kvbench import oracle, report, routers
 from kvbench.runner import Options, bench_workload
-from kvbench.workloads import Workload, multi_turn, sim_answer
+from kvbench.workloads import SMOKE, multi_turn, sim_answer
 
 from kvflow.sim.profiles import get_profile
-
-TINY = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
-                params=(("groups", 4), ("per_group", 3), ("system_len", 600), ("question_len", 100), ("output_len", 8)))
 
 
 async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path: Path) -> None:
     names = ["kvflow", "kvflow:round-robin"] + (["sglang:cache_aware"] if routers.binary("sglang") else [])
-    outcome = await bench_workload(TINY, names, Options(duration=2.0, rates=(6.0,), settle=0.5, log_dir=tmp_path, verbose=False))
+    outcome = await bench_workload(SMOKE, names, Options(duration=2.0, rates=(6.0,), settle=0.5, log_dir=tmp_path, verbose=False))
 
     assert outcome.skipped == []
     measured = {r.router: r for r in outcome.rows if r.measured}
@@ -72,7 +69,7 @@ def test_the_summary_over_seeds_compares_each_router_with_the_references_of_its_
 
 def test_the_replay_oracle_never_beats_the_bound_and_round_robin_spreads_evenly() -> None:
     profile = get_profile("h100-llama8b")
-    trace = TINY.trace(20.0, 4.0)
+    trace = SMOKE.trace(20.0, 4.0)
     prepared = oracle.prepare(trace)
     bounds = oracle.lower_bound(trace, profile, prepared)
     rr = oracle.replay(trace, oracle.RoundRobin(), pods=2, profile=profile, num_blocks=300, prepared=prepared)
@@ -103,7 +100,7 @@ class _RefuseOdd(oracle.RoundRobin):
 
 def test_a_request_the_router_refuses_counts_as_an_error_in_the_replay() -> None:
     profile = get_profile("h100-llama8b")
-    trace = TINY.trace(20.0, 2.0)
+    trace = SMOKE.trace(20.0, 2.0)
     result = oracle.replay(trace, _RefuseOdd(), pods=2, profile=profile, num_blocks=300)
     refused = [i for i, t in enumerate(result.ttft) if math.isnan(t)]
     assert refused and all(i % 2 for i in refused)
@@ -117,12 +114,10 @@ def test_the_oracle_counts_the_chunk_a_running_step_computes_once() -> None:
     waits for that end, then computes its own prompt beside the first one's decode; the chunk in
     flight is not queued ahead of it a second time."""
     profile = get_profile("h100-llama8b")
-    trace = TINY.trace(20.0, 4.0)
+    trace = SMOKE.trace(20.0, 4.0)
     prepared = oracle.prepare(trace)
     first, new = prepared[0], next(p for p in prepared if p.hashes[0] != prepared[0].hashes[0])
-    config = oracle.SchedulerConfig(block_size=16, num_blocks=300, max_num_batched_tokens=profile.max_num_batched_tokens,
-                                    kv_transfer=False)
-    pod = oracle.Pod(0, oracle.Scheduler(config, oracle._sampler()))
+    pod = oracle.new_pod(0, profile, num_blocks=300)
     pod.scheduler.add(oracle._sim_request(first, 0.0))
     pod.plan = plan = pod.scheduler.schedule(0.0)
     assert plan.prefill_tokens == len(first.token_ids)  # the whole prompt in this one step

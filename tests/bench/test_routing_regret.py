@@ -6,12 +6,9 @@ import math
 
 from kvbench import oracle
 from kvbench.regret import CAUSES, Decision, RegretReplay, summarise
-from kvbench.workloads import Workload
+from kvbench.workloads import SMOKE
 
 from kvflow.sim.profiles import get_profile
-
-TINY = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
-                params=(("groups", 4), ("per_group", 3), ("system_len", 600), ("question_len", 100), ("output_len", 8)))
 
 
 def decision(pick: int, best: int, cost: tuple[float, ...], cached: tuple[int, ...], believed: tuple[int, ...]) -> Decision:
@@ -38,7 +35,7 @@ def run(trace):  # type: ignore[no-untyped-def]
 
 
 def test_every_decision_is_priced_and_a_replay_repeats_exactly() -> None:
-    trace = TINY.trace(20.0, 3.0)
+    trace = SMOKE.trace(20.0, 3.0)
     policy, result = run(trace)
     decisions = policy.decisions
     assert len(decisions) == len(trace.requests) == sum(result.requests_per_pod)
@@ -59,10 +56,8 @@ def test_work_ahead_is_the_running_steps_rest_and_what_is_left_after_it() -> Non
     from kvbench.regret import ahead_tokens
 
     profile = get_profile("h100-llama8b")
-    prepared = oracle.prepare(TINY.trace(20.0, 1.0))
-    config = oracle.SchedulerConfig(block_size=16, num_blocks=300, max_num_batched_tokens=profile.max_num_batched_tokens,
-                                    kv_transfer=False)
-    pod = oracle.Pod(0, oracle.Scheduler(config, oracle._sampler()))
+    prepared = oracle.prepare(SMOKE.trace(20.0, 1.0))
+    pod = oracle.new_pod(0, profile, num_blocks=300)
     pod.scheduler.add(oracle._sim_request(prepared[0], 0.0))
     pod.plan = pod.scheduler.schedule(0.0)
     pod.step_end = profile.step_seconds(0, 0, len(prepared[0].token_ids))
