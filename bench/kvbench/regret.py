@@ -30,7 +30,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvflow.errors import RateLimitError
 from kvflow.router import SchedulingRequest
 from kvflow.sim.profiles import Profile
 
@@ -153,14 +152,9 @@ class RegretReplay(KvflowReplay):
         self.router.speculative.extend(matched, fingerprints.all())  # as the precise scorer reads it
         believed = tuple(min(matched.get(eid, 0), len(blocks)) * HASH.block_size for eid in ids)
         held = tuple(len(pod.scheduler.pool.longest_hit(blocks)) for pod in pods)
-        try:
-            result = self.router.schedule(request)
-        except RateLimitError:
+        pick = super().pick(prepared, pods, now, profile)
+        if pick is None:
             return None
-        flight = self.router.flight(request, result)
-        flight.send(result.targets[0])
-        self.flights[prepared.request.index] = flight
-        pick = self.picks[prepared.request.index] = self.endpoints.index(result.targets[0])
         best = min(range(len(pods)), key=cost.__getitem__)
         if math.isclose(cost[pick], cost[best], abs_tol=1e-9):
             best = pick
