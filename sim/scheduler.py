@@ -11,15 +11,16 @@ just "tokens to compute" per request):
 2. Then waiting requests in order, while fewer than ``max_num_seqs`` run and budget remains:
    look up the longest cached prefix (capped at ``num_tokens - 1`` so one token is always
    computed), take references on those blocks, allocate the rest; stop at the first that does
-   not fit (no overtaking).
+   not fit (no overtaking). A decode request of a P/D pair (``do_remote_prefill``) instead gets
+   blocks for its whole prompt and goes to ``WAITING_FOR_REMOTE_KVS`` until its pull finishes.
 3. Blocks a step will fill enter the prefix cache when they are allocated, before the step
    computes them, as vLLM's ``allocate_slots`` caches them: a request scheduled later in the
    same step (or while an earlier one's long prompt is still being chunked) reuses them instead
-   of computing the prefix again, and the step's ``BlockStored`` events go out with its end. A decode request of a P/D pair (``do_remote_prefill``) instead gets
-   blocks for its whole prompt and goes to ``WAITING_FOR_REMOTE_KVS`` until its pull finishes.
+   of computing the prefix again. The engine publishes the step's events when it ends.
 
-``complete(plan, now)`` then applies the step: computed tokens advance, a request whose tokens are all computed samples one new token, finished
-requests release their blocks (or keep them pinned for a remote decode).
+``complete(plan, now)`` then applies the step: computed tokens advance, a request whose tokens
+are all computed samples one new token, finished requests release their blocks (or keep them
+pinned for a remote decode).
 """
 
 from __future__ import annotations

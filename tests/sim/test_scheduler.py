@@ -113,7 +113,7 @@ def test_same_step_prefix_hits_schedule_what_vllm_cpu_scheduled(budget: int, ste
     assert [r.cached_tokens for r in reqs] == [0, 320]
 
 
-def test_the_blocks_a_step_fills_are_announced_once_with_the_step() -> None:
+def test_a_prefix_two_requests_share_in_a_step_is_stored_once_when_the_step_is_planned() -> None:
     sched = make_scheduler()
     prefix = list(range(100, 108))
     sched.add(make_request("first", [*prefix, 1], max_tokens=1))
@@ -122,7 +122,7 @@ def test_the_blocks_a_step_fills_are_announced_once_with_the_step() -> None:
     stored = sched.pool.take_events()
     assert [e.token_ids for e in stored] == [prefix]  # the second request stored nothing of its own
     sched.complete(plan, 1.0)
-    assert sched.pool.take_events() == []  # completing the step caches nothing more
+    assert sched.pool.take_events() == []  # completing the step stores nothing more
 
 
 def test_a_request_behind_a_chunked_prompt_reuses_the_chunk_allocated_in_its_step() -> None:
