@@ -52,11 +52,11 @@ class TtftParams(NoParams):
     """A decoding request's share of a step, in prompt tokens of prefill work."""
     batch_tokens: int = Field(default=8192, alias="batchTokens", gt=0)
     """Prompt tokens one engine step prefills (vLLM's ``max_num_batched_tokens``)."""
-    copy_weight: float = Field(default=0.5, alias="copyWeight", ge=0)
+    copy_weight: float = Field(default=1.0, alias="copyWeight", ge=0)
     """Extra cost per token of a prefix computed again where another pod already holds it: the
-    capacity the copy takes from everyone else (its own wait is already in the estimate). 0.5,
-    measured on the routing benchmark's replay (five traces of each workload, three fingerprint
-    keys) once the simulator reused a prefix within an engine step as vLLM does; 1 did worse."""
+    capacity the copy takes from everyone else (its own wait is already in the estimate). On the
+    routing benchmark's replay 0.5 did a little better at round-robin's saturation rate and far
+    worse past it (docs/router.md), so 1 stays."""
     evict_weight: float = Field(default=0.5, alias="evictWeight", ge=0)
     """Cost per token of in-use cache a placement evicts: the share of it computed again later
     (0.5, measured on the routing benchmark's replay over five seeds; 1 and 0.25 did worse)."""
