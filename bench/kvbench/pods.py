@@ -59,10 +59,12 @@ def start_pods(group: ProcessGroup, *, decode: int, prefill: int = 0, num_blocks
     pods = []
     for i, role in enumerate(roles):
         host = f"127.0.0.{first_host + i}"
-        port, kv_port = free_port(host), free_port("0.0.0.0")
+        # both on the pod's own address: a wildcard bind (tcp://*) can collide with another
+        # process's outgoing connection from 127.0.0.1 that took the same ephemeral port since
+        port, kv_port = free_port(host), free_port(host)
         argv = kvflow_argv("sim", "--host", host, "--port", str(port), "--model", MODEL, "--profile", profile,
                            "--num-blocks", str(num_blocks), "--role", role,
-                           "--kv-events-endpoint", f"tcp://*:{kv_port}", "--log-level", "WARNING", *extra)
+                           "--kv-events-endpoint", f"tcp://{host}:{kv_port}", "--log-level", "WARNING", *extra)
         if role != "both":
             argv += ["--kv-transfer", "modelled"]
         group.start(f"pod-{i}-{role}", argv, env={"PYTHONHASHSEED": "0"}, ready_url=f"http://{host}:{port}/health")
