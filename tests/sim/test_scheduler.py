@@ -8,7 +8,7 @@ from kvflow.sim.profiles import PROFILES, Profile
 from kvflow.sim.request import Status
 
 from .helpers import make_request, make_scheduler, run_steps, run_until_idle
-from .test_real_vllm_same_step import BLOCK, same_step_token_ids
+from .test_real_vllm_same_step import BLOCK, SHARED, same_step_token_ids
 
 
 def test_every_step_gives_each_running_request_one_token() -> None:
@@ -110,7 +110,7 @@ def test_same_step_prefix_hits_schedule_what_vllm_cpu_scheduled(budget: int, ste
         seen.append({r.request_id: n for r, n in plan.scheduled})
         sched.complete(plan, 1.0)
     assert seen == steps
-    assert [r.cached_tokens for r in reqs] == [0, 320]
+    assert [r.cached_tokens for r in reqs] == [0, SHARED]
 
 
 def test_a_prefix_two_requests_share_in_a_step_is_stored_once_when_the_step_is_planned() -> None:
