@@ -100,6 +100,17 @@ async def counters(session: aiohttp.ClientSession, pods: Sequence[Pod]) -> list[
     return list(await asyncio.gather(*(one(p) for p in pods)))
 
 
+async def warm(pods: Sequence[Pod], text: str) -> None:
+    """Tokenize ``text`` on every pod (``POST /tokenize``): a fresh simulated pod hashes each word
+    the first time it sees one, which would slow its HTTP front end during the first run."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for pod in pods:
+            async with session.post(f"{pod.url}/tokenize", json={"model": MODEL, "prompt": text}) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{pod.address} could not tokenize the warm-up text: {resp.status} "
+                                       f"{(await resp.text())[:200]}")
+
+
 async def wait_idle(session: aiohttp.ClientSession, pods: Sequence[Pod], timeout: float = 60.0) -> bool:
     """Until no pod runs or queues a request (a run's stragglers must not leak into the next)."""
     loop = asyncio.get_running_loop()

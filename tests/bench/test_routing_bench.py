@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from kvbench import oracle, report, routers
-from kvbench.runner import Options, bench_workload
+from kvbench.runner import Options, bench_workload, words
 from kvbench.workloads import SMOKE, multi_turn, sim_answer
 
 from kvflow.sim.profiles import get_profile
@@ -40,9 +40,21 @@ async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path
     # the same groups come back, so a prefix-aware router must hit more than round-robin
     assert measured["kvflow default"].hit_rate > measured["kvflow round-robin"].hit_rate
     assert "kvflow default" in report.table(outcome.rows)
+    # each router met pods of its own, started for it: none inherits what another's runs left
+    for name in measured:
+        pod_logs = list((tmp_path / SMOKE.name / name.replace(" ", "-").replace(":", "-")).glob("pod-*"))
+        assert len(pod_logs) == SMOKE.decode_pods, (name, pod_logs)
     png = tmp_path / "smoke.png"
     report.plot(outcome.rows, "smoke", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_pods_are_warmed_with_every_word_of_the_traces_once() -> None:
+    traces = [SMOKE.trace(6.0, 2.0, seed) for seed in (0, 1)]
+    text = words([*traces, traces[0]])
+    said = text.split(" ")
+    assert len(said) == len(set(said))
+    assert set(said) == {w for t in traces for r in t.requests for w in r.prompt.split()}
 
 
 def test_the_summary_over_seeds_compares_each_router_with_the_references_of_its_own_seed() -> None:
