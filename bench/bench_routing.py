@@ -11,7 +11,7 @@ caches. The oracle replays the same traces offline on the simulator's own schedu
 sglang-router ``cache_aware`` and to the oracle at the same rate), issue 10's targets, and
 writes ``bench/out/routing-<workload>.png`` and ``bench/out/routing.json``.
 
-    python bench/bench_routing.py                       # everything, ~40 min on 2 cores
+    python bench/bench_routing.py                       # everything, ~35 min on 2 cores
     python bench/bench_routing.py --workloads a --routers kvflow sglang:cache_aware --duration 10
     python bench/bench_routing.py --workloads a --routers kvflow kvflow:prefix-approx --rates 8 12 16
     python bench/bench_routing.py --workloads a b c --routers kvflow sglang:cache_aware sglang:round_robin \\

@@ -317,16 +317,39 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def lower_bound(trace: Trace, profile: Profile, prepared: Sequence[Prepared] | None = None) -> tuple[float, ...]:
-    """Per request: its TTFT can be no lower than this on the simulator, whatever the router.
+    """Per request: its TTFT can be no lower than this on the simulator, whatever the router:
+    the time to compute, alone in a batch, the prompt tokens past its most hittable blocks
+    (``hittable_blocks``)."""
+    prepared = list(prepared) if prepared is not None else prepare(trace)
+    bs, budget = HASH.block_size, profile.max_num_batched_tokens
+    bounds = []
+    for p, hit in zip(prepared, hittable_blocks(trace, prepared), strict=True):
+        uncached = len(p.token_ids) - hit * bs
+        steps = max(1, math.ceil(uncached / budget))
+        bounds.append(steps * profile.step_base_s + uncached * profile.prefill_per_token_s)
+    return tuple(bounds)
+
+
+def hit_ceiling(trace: Trace, prepared: Sequence[Prepared] | None = None) -> float:
+    """The highest prefix-cache hit rate any router could give the trace on aggregated pods
+    (``vllm:prefix_cache_hits / queries``, tokens): every hittable block a hit, as if no pod
+    ever evicted. A router's measured hit rate is at most this."""
+    prepared = list(prepared) if prepared is not None else prepare(trace)
+    queried = sum(len(p.token_ids) for p in prepared)
+    hits = sum(hittable_blocks(trace, prepared)) * HASH.block_size
+    return hits / queried if queried else 0.0
+
+
+def hittable_blocks(trace: Trace, prepared: Sequence[Prepared]) -> list[int]:
+    """Per request: how many of its leading blocks can be a hit at all, whatever the router.
 
     A prompt block can be a hit only if some request that may be sent before this one holds
     it. An open-loop request is sent at its ``at``, so only requests that can be sent by then
     count (a follow-up turn is sent no earlier than its chain's think times add up to). A
     follow-up turn may be sent arbitrarily late, so every request counts for it except itself
-    and its own later turns.
+    and its own later turns. As on vLLM, the block holding a prompt's last token is never a hit.
     """
-    prepared = list(prepared) if prepared is not None else prepare(trace)
-    bs, budget = HASH.block_size, profile.max_num_batched_tokens
+    bs = HASH.block_size
     earliest = [_earliest_send(prepared, i) for i in range(len(prepared))]
     later_turns = _later_turns(trace)
     first_two: dict[BlockHash, list[tuple[float, int]]] = {}  # the two earliest holders of a block
@@ -342,16 +365,14 @@ def lower_bound(trace: Trace, profile: Profile, prepared: Sequence[Prepared] | N
             return holders.get(h, 0) > 1 + later_turns[i]
         return any(j != i and t <= earliest[i] for t, j in first_two.get(h, []))
 
-    bounds = []
+    hits = []
     for i, p in enumerate(prepared):
         max_blocks = (len(p.token_ids) - 1) // bs
         hit = 0
         while hit < max_blocks and held_before(i, p.hashes[hit]):
             hit += 1
-        uncached = len(p.token_ids) - hit * bs
-        steps = max(1, math.ceil(uncached / budget))
-        bounds.append(steps * profile.step_base_s + uncached * profile.prefill_per_token_s)
-    return tuple(bounds)
+        hits.append(hit)
+    return hits
 
 
 def _earliest_send(prepared: Sequence[Prepared], i: int) -> float:

@@ -181,6 +181,10 @@ def targets(workload: str, rows: Sequence[Row], saturation: float, *, uniform_sh
         verdict = f" (target >= 3x and <= 1.5: {'met' if x >= 3 and kv.balance <= 1.5 else 'NOT met'})"
         out.append(f"  hit rate {kv.hit_rate:.2f} = {x:.1f}x round-robin's, balance {kv.balance:.2f}"
                    + (verdict if uniform_shared_prefix else ""))
+        bound = next((r for r in at if r.router == BOUND and not math.isnan(r.hit_rate)), None)
+        if bound and statistics.mean(rr):
+            out.append(f"  the trace's hit-rate ceiling (every block an earlier request could hold, a hit): "
+                       f"{bound.hit_rate:.2f} = {bound.hit_rate / statistics.mean(rr):.1f}x round-robin's")
     return "\n".join(out)
 
 

@@ -76,9 +76,10 @@ def plan_rates(workload: Workload, opts: Options) -> tuple[float, tuple[float, .
 def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
     profile = get_profile(SIM_PROFILE)
     prepared = oracle.prepare(trace)
-    rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared))]
     if workload.pd:  # the replay models aggregated pods only
-        return rows
+        return [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared))]
+    rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared),
+                              hit_rate=oracle.hit_ceiling(trace, prepared))]
     best, _ = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile,
                                    num_blocks=workload.num_blocks, prepared=prepared)
     results = [(report.ORACLE, best)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvbench import oracle, report, routers
 from kvbench.runner import Options, bench_workload, words
-from kvbench.workloads import SMOKE, multi_turn, sim_answer
+from kvbench.workloads import SMOKE, Trace, TraceRequest, multi_turn, sim_answer
 
 from kvflow.sim.profiles import get_profile
 
@@ -91,8 +91,24 @@ def test_the_replay_oracle_never_beats_the_bound_and_round_robin_spreads_evenly(
         assert not any(math.isnan(t) for t in result.ttft)
         assert all(t >= b - 1e-9 for t, b in zip(result.ttft, bounds, strict=True))
     assert abs(rr.requests_per_pod[0] - rr.requests_per_pod[1]) <= 1
-    assert best.hit_rate >= rr.hit_rate
+    assert rr.hit_rate <= best.hit_rate <= oracle.hit_ceiling(trace, prepared)
+    assert greedy.hit_rate <= oracle.hit_ceiling(trace, prepared)
     assert sum(best.ttft) <= min(sum(rr.ttft), sum(greedy.ttft))
+
+
+def test_the_hit_rate_ceiling_counts_what_earlier_requests_hold_but_never_a_prompts_last_block() -> None:
+    shared = " ".join(f"w{i}" for i in range(40))  # 41 tokens with BOS: 2 full blocks before the last token's
+    first = TraceRequest(0, 0.0, shared, 4, 0, "g")
+    again = TraceRequest(1, 1.0, shared, 4, 1, "g")
+    longer = TraceRequest(2, 2.0, shared + " " + " ".join(f"x{i}" for i in range(40)), 4, 2, "g")
+    alone = TraceRequest(3, 3.0, " ".join(f"y{i}" for i in range(40)), 4, 3, "h")
+    trace = Trace("shared-prefix", 1.0, 4.0, (first, again, longer, alone))
+    prepared = oracle.prepare(trace)
+
+    # the first of a prefix hits nothing; the same prompt again all but its last block (vLLM
+    # computes at least one token); a longer prompt the two full blocks the others hold
+    assert oracle.hittable_blocks(trace, prepared) == [0, 2, 2, 0]
+    assert oracle.hit_ceiling(trace, prepared) == (2 + 2) * 16 / (41 + 41 + 81 + 41)
 
 
 def test_a_multi_turn_history_carries_the_answers_the_simulator_will_give() -> None:
