@@ -9,7 +9,9 @@ way through it, and appends it to ``<folder>/<role>-<pid>.jsonl`` every second a
   scheduling took (wall and the thread's CPU time: the difference is the time the process was
   not running), sent to the pod, first chunk back, and its event loop's lag on 5 ms timers;
 * a simulated pod: its handler entered, the engine's arrival and first token, the first token
-  written out.
+  written out; its own address and the request's ``seed`` (the routing benchmark's requests each
+  have their own), which say where a router placed each request of a trace
+  (``bench/replay_placements.py``).
 
 Both key a request by the ``X-Request-Id`` the gateway forwards. A diagnostic only: it wraps
 the functions it times from outside and changes nothing else.
@@ -119,6 +121,7 @@ def _probe_gateway() -> None:
 
 
 def _probe_sim() -> None:
+    import re
     import time
 
     from kvflow.sim import choices, server
@@ -129,8 +132,14 @@ def _probe_sim() -> None:
     _dump_every(1.0, "sim", {"requests": records})
     completions, stream, chunks = server.completions, server._stream, choices.Generation.chunks
 
+    seed_of = re.compile(rb'"seed":\s*(\d+)')
+
     async def handler(request):  # type: ignore[no-untyped-def]
-        request["path_probe"] = {"rid": request.headers.get("X-Request-Id"), "handler": mono()}
+        record = request["path_probe"] = {"rid": request.headers.get("X-Request-Id"), "handler": mono(),
+                                          "pod": request.host}
+        found = seed_of.search(await request.read())  # aiohttp keeps the body for the handler
+        if found:
+            record["seed"] = int(found[1])
         return await completions(request)
 
     async def streamed(request, state, gen, *args):  # type: ignore[no-untyped-def]

@@ -9,9 +9,11 @@ way (what ``bench/path_probe.py`` reports as hops).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import path_probe
+import replay_placements
 from kvbench.runner import Options, bench_workload
 from kvbench.workloads import Workload
 
@@ -47,3 +49,9 @@ async def test_every_streamed_request_is_stamped_on_both_sides_and_joined_by_its
         assert p["written"] <= g["first_chunk"] and p["first_token"] <= g["first_chunk"] + TICK
         assert 0 < g["tokenize"] + g["schedule"] <= g["sent"] - g["serving"]
     assert f"({row.requests} requests joined by id)" in path_probe.report(probe)
+
+    # the pod records also say where each request of the trace went: replayed there, the
+    # simulation puts as many on each pod as the pods' own counters did
+    placed, engine_ttft = replay_placements.placements(list(pods.values()), TINY.trace(4.0, 2.0, 0))
+    assert len(placed) == len(engine_ttft) == row.requests
+    assert sorted(Counter(placed.values()).values()) == sorted(n for n in row.requests_per_pod if n)
