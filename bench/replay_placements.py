@@ -19,12 +19,12 @@ rate per probe folder.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import path_probe
 from kvbench import oracle
 from kvbench.report import percentile
 from kvbench.replay_kvflow import KvflowReplay
@@ -62,20 +62,10 @@ def placements(records: Sequence[Mapping[str, object]], trace: Trace) -> tuple[d
     return placed, engine_ttft
 
 
-def load(folder: Path) -> list[dict[str, object]]:
-    out = []
-    for path in sorted(folder.glob("sim-*.jsonl")):
-        for line in path.read_text().splitlines():
-            key, item = json.loads(line)
-            if key == "requests":
-                out.append(item)
-    return out
-
-
 def report(folder: Path, workload: str, seed: int, rate: float, duration: float = 20.0) -> str:
     wl = WORKLOADS[workload]
     trace = wl.trace(rate, duration, seed)
-    placed, live = placements(load(folder), trace)
+    placed, live = placements(path_probe.load(folder, "sim")[0], trace)
     if not placed:
         return f"no pod record in {folder} names a request of ({workload}) seed {seed} at {rate:g} req/s"
     profile = get_profile(SIM_PROFILE)

@@ -316,28 +316,30 @@ def _mean(values: Sequence[float]) -> float:
     return sum(done) / len(done) if done else math.inf
 
 
-def lower_bound(trace: Trace, profile: Profile, prepared: Sequence[Prepared] | None = None) -> tuple[float, ...]:
+def lower_bound(trace: Trace, profile: Profile, prepared: Sequence[Prepared] | None = None,
+                hits: Sequence[int] | None = None) -> tuple[float, ...]:
     """Per request: its TTFT can be no lower than this on the simulator, whatever the router:
     the time to compute, alone in a batch, the prompt tokens past its most hittable blocks
-    (``hittable_blocks``)."""
+    (``hits``: ``hittable_blocks``, computed here unless given)."""
     prepared = list(prepared) if prepared is not None else prepare(trace)
+    hits = hits if hits is not None else hittable_blocks(trace, prepared)
     bs, budget = HASH.block_size, profile.max_num_batched_tokens
     bounds = []
-    for p, hit in zip(prepared, hittable_blocks(trace, prepared), strict=True):
+    for p, hit in zip(prepared, hits, strict=True):
         uncached = len(p.token_ids) - hit * bs
         steps = max(1, math.ceil(uncached / budget))
         bounds.append(steps * profile.step_base_s + uncached * profile.prefill_per_token_s)
     return tuple(bounds)
 
 
-def hit_ceiling(trace: Trace, prepared: Sequence[Prepared] | None = None) -> float:
+def hit_ceiling(trace: Trace, prepared: Sequence[Prepared] | None = None, hits: Sequence[int] | None = None) -> float:
     """The highest prefix-cache hit rate any router could give the trace on aggregated pods
     (``vllm:prefix_cache_hits / queries``, tokens): every hittable block a hit, as if no pod
     ever evicted. A router's measured hit rate is at most this."""
     prepared = list(prepared) if prepared is not None else prepare(trace)
+    hits = hits if hits is not None else hittable_blocks(trace, prepared)
     queried = sum(len(p.token_ids) for p in prepared)
-    hits = sum(hittable_blocks(trace, prepared)) * HASH.block_size
-    return hits / queried if queried else 0.0
+    return sum(hits) * HASH.block_size / queried if queried else 0.0
 
 
 def hittable_blocks(trace: Trace, prepared: Sequence[Prepared]) -> list[int]:

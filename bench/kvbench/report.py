@@ -177,14 +177,15 @@ def targets(workload: str, rows: Sequence[Row], saturation: float, *, uniform_sh
                    f"p90 {replayed.ttft_p90_ms / oracle.ttft_p90_ms:.2f}")
     rr = [r.hit_rate for r in at if r.measured and r.router.replace("_", "-").endswith("round-robin")]
     if rr:
-        x = kv.hit_rate / statistics.mean(rr) if statistics.mean(rr) else math.inf
+        rr_mean = statistics.mean(rr)
+        x = kv.hit_rate / rr_mean if rr_mean else math.inf
         verdict = f" (target >= 3x and <= 1.5: {'met' if x >= 3 and kv.balance <= 1.5 else 'NOT met'})"
         out.append(f"  hit rate {kv.hit_rate:.2f} = {x:.1f}x round-robin's, balance {kv.balance:.2f}"
                    + (verdict if uniform_shared_prefix else ""))
         bound = next((r for r in at if r.router == BOUND and not math.isnan(r.hit_rate)), None)
-        if bound and statistics.mean(rr):
+        if bound and rr_mean:
             out.append(f"  the trace's hit-rate ceiling (every block an earlier request could hold, a hit): "
-                       f"{bound.hit_rate:.2f} = {bound.hit_rate / statistics.mean(rr):.1f}x round-robin's")
+                       f"{bound.hit_rate:.2f} = {bound.hit_rate / rr_mean:.1f}x round-robin's")
     return "\n".join(out)
 
 

@@ -76,10 +76,12 @@ def plan_rates(workload: Workload, opts: Options) -> tuple[float, tuple[float, .
 def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
     profile = get_profile(SIM_PROFILE)
     prepared = oracle.prepare(trace)
+    hits = oracle.hittable_blocks(trace, prepared)
+    ceiling = math.nan if workload.pd else oracle.hit_ceiling(trace, prepared, hits)  # P/D pods count twice
+    rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared, hits),
+                              hit_rate=ceiling)]
     if workload.pd:  # the replay models aggregated pods only
-        return [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared))]
-    rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared),
-                              hit_rate=oracle.hit_ceiling(trace, prepared))]
+        return rows
     best, _ = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile,
                                    num_blocks=workload.num_blocks, prepared=prepared)
     results = [(report.ORACLE, best)]
