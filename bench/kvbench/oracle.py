@@ -208,8 +208,21 @@ def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = Fal
     return Pod(index, Scheduler(config, _sampler(), enable_events=events))
 
 
+@dataclass(frozen=True, slots=True)
+class Lag:
+    """The way between the router and the pods, which the replay otherwise leaves out: a request
+    reaches its pod's engine ``to_pod`` seconds after the router picks it, and the router hears
+    of each first token and finish ``from_pod`` seconds after the engine produced it. Live, on
+    the routing benchmark's simulated pods, that is ~4 and ~5 ms (the path probe's hops)."""
+
+    to_pod: float = 0.0
+    from_pod: float = 0.0
+
+
 def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blocks: int,
-           prepared: Sequence[Prepared] | None = None) -> ReplayResult:
+           prepared: Sequence[Prepared] | None = None, lag: Lag = Lag()) -> ReplayResult:
+    """The trace on ``pods`` simulated pods, each request where ``policy`` picks it. A request's
+    TTFT is counted from its arrival at the pod's engine."""
     prepared = list(prepared) if prepared is not None else prepare(trace)
     observer: Observer | None = policy if hasattr(policy, "stepped") else None  # type: ignore[assignment]
     fleet = [new_pod(i, profile, num_blocks, events=observer is not None) for i in range(pods)]
@@ -217,12 +230,12 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
     ttft, finished = [math.nan] * n, [math.nan] * n
     arrival = [0.0] * n
     children = trace.children()
-    events: list[tuple[float, int, str, int]] = []
+    events: list[tuple[float, int, str, int, int]] = []
     seq = 0
 
-    def push(t: float, kind: str, what: int) -> None:
+    def push(t: float, kind: str, what: int, pod: int = -1) -> None:
         nonlocal seq
-        heapq.heappush(events, (t, seq, kind, what))
+        heapq.heappush(events, (t, seq, kind, what, pod))
         seq += 1
 
     def start_step(pod: Pod, now: float) -> None:
@@ -234,6 +247,16 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
         pod.step_end = now + profile.step_seconds(plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens)
         push(pod.step_end, "step", pod.index)
 
+    def tell(kind: str, i: int, now: float) -> None:
+        if observer is None:
+            return
+        if lag.from_pod > 0:
+            push(now + lag.from_pod, kind, i)
+        elif kind == "first":
+            observer.first_token(i, now)
+        else:
+            observer.finished(i, now)
+
     for p in prepared:
         if p.request.after is None:
             push(p.request.at, "send", p.request.index)
@@ -243,20 +266,34 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             push(interval * (pod.index + 0.5) / len(fleet), "scrape", pod.index)
     pending_sends = sum(1 for p in prepared)
     while events:
-        now, _, kind, what = heapq.heappop(events)
+        now, _, kind, what, picked = heapq.heappop(events)
         if kind == "scrape":
             assert observer is not None
             observer.scraped(fleet[what], now)
             if pending_sends or any(p.plan is not None for p in fleet):
                 push(now + interval, "scrape", what)
             continue
+        if kind == "first":
+            observer.first_token(what, now)  # type: ignore[union-attr]
+            continue
+        if kind == "finish":
+            observer.finished(what, now)  # type: ignore[union-attr]
+            continue
         if kind == "send":
             pending_sends -= 1
-            p = prepared[what]
-            picked = policy.pick(p, fleet, now, profile)
-            if picked is None:
+            chosen = policy.pick(prepared[what], fleet, now, profile)
+            if chosen is None:  # refused: the conversation's later turns are never sent
+                child = children.get(what)
+                while child is not None:
+                    pending_sends -= 1
+                    child = children.get(child)
                 continue
-            pod = fleet[picked]
+            if lag.to_pod > 0:
+                push(now + lag.to_pod, "arrive", what, chosen)
+                continue
+            kind, picked = "arrive", chosen
+        if kind == "arrive":
+            p, pod = prepared[what], fleet[picked]
             pod.routed += 1
             req = _sim_request(p, now)
             pod.expected_uncached[req.request_id] = len(p.token_ids) - Clairvoyant.cached_tokens(p, pod)
@@ -275,12 +312,10 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             if len(req.output_ids) == 1:
                 ttft[i] = now - arrival[i]
                 pod.expected_uncached.pop(req.request_id, None)
-                if observer is not None:
-                    observer.first_token(i, now)
+                tell("first", i, now)
             if req.finished:
                 finished[i] = now
-                if observer is not None:
-                    observer.finished(i, now)
+                tell("finish", i, now)
                 if i in children:
                     child = children[i]
                     push(now + prepared[child].request.at, "send", child)

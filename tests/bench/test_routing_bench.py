@@ -154,3 +154,68 @@ def test_the_oracle_counts_the_chunk_a_running_step_computes_once() -> None:
     after = profile.step_seconds(1, len(first.token_ids), len(new.token_ids))  # its prompt, the first's decode
     got = oracle.Clairvoyant().estimate(new, pod, now, profile)
     assert math.isclose(got, pod.step_end - now + after)
+
+
+class _Heard(oracle.RoundRobin):
+    """Round-robin that writes down what a learning router hears, and when."""
+
+    scrape_interval = 0.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.picked: dict[int, float] = {}
+        self.heard: list[tuple[str, int, float]] = []
+
+    def pick(self, prepared, pods, now, profile):  # type: ignore[no-untyped-def]
+        self.picked[prepared.request.index] = now
+        return super().pick(prepared, pods, now, profile)
+
+    def first_token(self, index: int, now: float) -> None:
+        self.heard.append(("first", index, now))
+
+    def finished(self, index: int, now: float) -> None:
+        self.heard.append(("finished", index, now))
+
+    def stepped(self, pod, now):  # type: ignore[no-untyped-def]
+        pod.scheduler.pool.take_events()
+
+    def scraped(self, pod, now):  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_with_a_lag_requests_reach_the_pods_late_and_the_router_hears_back_late() -> None:
+    profile = get_profile("h100-llama8b")
+    trace = SMOKE.trace(20.0, 2.0)
+    prepared = oracle.prepare(trace)
+    plain = oracle.replay(trace, _Heard(), pods=2, profile=profile, num_blocks=300, prepared=prepared)
+    heard = _Heard()
+    lag = oracle.Lag(to_pod=0.004, from_pod=0.005)
+    lagged = oracle.replay(trace, heard, pods=2, profile=profile, num_blocks=300, prepared=prepared, lag=lag)
+    # TTFT counts from the pod's engine: these few requests never queue, so the lag changes nothing there
+    assert all(math.isclose(a, b) for a, b in zip(plain.ttft, lagged.ttft, strict=True))
+    for i, at in heard.picked.items():
+        said = {kind: t for kind, j, t in heard.heard if j == i}
+        assert math.isclose(said["first"], at + 0.004 + lagged.ttft[i] + 0.005)
+        assert said["finished"] >= said["first"]
+
+
+class _RefuseFirstTurns(_Heard):
+    """Refuses every other conversation's first turn, and scrapes (so an unended replay would
+    never stop)."""
+
+    scrape_interval = 0.1
+
+    def pick(self, prepared, pods, now, profile):  # type: ignore[no-untyped-def]
+        if prepared.request.after is None and prepared.request.index % 2:
+            return None
+        return super().pick(prepared, pods, now, profile)
+
+
+def test_a_refused_conversation_ends_the_replay_without_its_later_turns() -> None:
+    """The later turns of a refused first turn are never sent: the replay must not wait for them
+    (it scraped the idle pods for ever)."""
+    trace = multi_turn(4.0, 3.0, turns=3, systems=1, system_len=20, user_len=(5, 5), output_len=4)
+    result = oracle.replay(trace, _RefuseFirstTurns(), pods=2, profile=get_profile("h100-llama8b"), num_blocks=300)
+    children = trace.children()
+    unsent = {children[i] for i, t in enumerate(result.ttft) if math.isnan(t) and i in children}
+    assert unsent and all(math.isnan(result.ttft[i]) for i in unsent)

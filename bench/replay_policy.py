@@ -1,0 +1,93 @@
+"""kvflow's routing policy against the oracle on the replay, over several traces and fingerprint keys.
+
+    python bench/replay_policy.py --workloads a b c [--seeds 0 1 2 3 4] [--secrets 3] [--lag 4,5]
+
+For each workload and seed: round-robin's saturation rate on the replay (as ``kvflow bench
+routing`` finds it), the oracle there, and kvflow's default router deciding inside the replay
+once per fingerprint key (the key decides which blocks the router's working set samples, so each
+is another, equally likely, run). It prints kvflow's mean TTFT over the oracle's per workload:
+the mean and spread of those ratios. One replay is deterministic but chaotic (one decision
+changed moves every later one), so a change to the policy is judged on the mean over all of them.
+
+``--lag TO,FROM`` (ms) adds the way between the router and the pods (``oracle.Lag``): a request
+reaches its pod's engine TO ms after the pick, and the router hears of its first token and its
+end FROM ms after the engine. The live benchmark's path probe puts them at ~4 and ~5 ms; without
+them the router learns its pods' speed on a path with no latency, which no real one has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import statistics
+
+from kvbench import oracle
+from kvbench.replay_kvflow import SECRET, KvflowReplay
+from kvbench.workloads import WORKLOADS, Workload
+
+from kvflow.sim.profiles import get_profile
+
+DURATION = 20.0
+
+
+def secret(i: int) -> bytes:
+    """The ``i``-th fingerprint key: the replay's own first, then keys drawn from ``i``."""
+    return SECRET if i == 0 else hashlib.sha256(f"kvflow-replay-{i}".encode()).digest()
+
+
+def mean_ttft(values: tuple[float, ...]) -> float:
+    done = [v for v in values if not math.isnan(v)]
+    return sum(done) / len(done) if done else math.inf
+
+
+def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duration: float = DURATION) -> list[float]:
+    """kvflow's mean TTFT over the oracle's, per (seed, key)."""
+    profile = get_profile("h100-llama8b")
+    out = []
+    for seed in seeds:
+        rate = round(oracle.saturation_rate(lambda r, d, s=seed: w.trace(r, d, s), duration, pods=w.decode_pods,
+                                            profile=profile, num_blocks=w.num_blocks), 1)
+        trace = w.trace(rate, duration, seed)
+        prepared = oracle.prepare(trace)
+        best, _ = oracle.oracle_replay(trace, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
+                                       prepared=prepared)
+        for i in range(secrets):
+            policy = KvflowReplay(w.decode_pods, w.num_blocks, secret=secret(i))
+            result = oracle.replay(trace, policy, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
+                                   prepared=prepared, lag=lag)
+            out.append(mean_ttft(result.ttft) / mean_ttft(best.ttft))
+    return out
+
+
+def parse_lag(text: str) -> oracle.Lag:
+    try:
+        to_pod, from_pod = (float(x) / 1e3 for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lag takes TO,FROM in milliseconds (got {text!r})") from None
+    if to_pod < 0 or from_pod < 0:
+        raise argparse.ArgumentTypeError("--lag cannot be negative")
+    return oracle.Lag(to_pod, from_pod)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", default=["a", "b", "c"],
+                   choices=sorted(w for w in WORKLOADS if WORKLOADS[w].prefill_pods == 0))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    p.add_argument("--secrets", type=int, default=3, help="fingerprint keys per trace")
+    p.add_argument("--lag", type=parse_lag, default=oracle.Lag(), help="TO,FROM in ms (default 0,0)")
+    args = p.parse_args()
+    if args.secrets < 1:
+        p.error("--secrets must be at least 1")
+    print(f"kvflow default (replay) over the oracle, {len(args.seeds)} traces x {args.secrets} keys, "
+          f"lag {args.lag.to_pod * 1e3:g} ms to the pods, {args.lag.from_pod * 1e3:g} ms back")
+    print("| workload | mean | sd | min | max |\n|---|---:|---:|---:|---:|")
+    for name in args.workloads:
+        r = ratios(WORKLOADS[name], args.seeds, args.secrets, args.lag)
+        sd = statistics.stdev(r) if len(r) > 1 else 0.0
+        print(f"| ({name}) | {statistics.fmean(r):.3f} | {sd:.3f} | {min(r):.3f} | {max(r):.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""kvflow's policy against the oracle on the replay, over traces and fingerprint keys."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+from kvbench import oracle
+from kvbench.workloads import SMOKE
+from replay_policy import parse_lag, ratios, secret
+
+
+def test_one_ratio_per_trace_and_key_each_a_repeatable_replay() -> None:
+    got = ratios(SMOKE, [0], 2, oracle.Lag(0.004, 0.005), duration=3.0)
+    assert len(got) == 2 and all(math.isfinite(r) and r > 0.5 for r in got)
+    assert ratios(SMOKE, [0], 2, oracle.Lag(0.004, 0.005), duration=3.0) == got
+    assert secret(0) != secret(1) != secret(2)
+
+
+def test_the_lag_is_read_in_milliseconds_and_bad_ones_are_refused() -> None:
+    assert parse_lag("4,5") == oracle.Lag(0.004, 0.005)
+    for bad in ("4", "a,b", "-1,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_lag(bad)
