@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import statistics
 
 from kvbench import oracle
@@ -34,11 +33,6 @@ DURATION = 20.0
 def secret(i: int) -> bytes:
     """The ``i``-th fingerprint key: the replay's own first, then keys drawn from ``i``."""
     return SECRET if i == 0 else hashlib.sha256(f"kvflow-replay-{i}".encode()).digest()
-
-
-def mean_ttft(values: tuple[float, ...]) -> float:
-    done = [v for v in values if not math.isnan(v)]
-    return sum(done) / len(done) if done else math.inf
 
 
 def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duration: float = DURATION) -> list[float]:
@@ -56,7 +50,7 @@ def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duratio
             policy = KvflowReplay(w.decode_pods, w.num_blocks, secret=secret(i))
             result = oracle.replay(trace, policy, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
                                    prepared=prepared, lag=lag)
-            out.append(mean_ttft(result.ttft) / mean_ttft(best.ttft))
+            out.append(oracle.mean_ttft(result.ttft) / oracle.mean_ttft(best.ttft))
     return out
 
 

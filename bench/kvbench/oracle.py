@@ -340,13 +340,14 @@ def oracle_replay(trace: Trace, *, pods: int, profile: Profile, num_blocks: int,
     for weight in weights:
         result = replay(trace, Clairvoyant(weight), pods=pods, profile=profile, num_blocks=num_blocks,
                         prepared=prepared)
-        if best is None or _mean(result.ttft) < _mean(best[0].ttft):
+        if best is None or mean_ttft(result.ttft) < mean_ttft(best[0].ttft):
             best = (result, weight)
     assert best is not None
     return best
 
 
-def _mean(values: Sequence[float]) -> float:
+def mean_ttft(values: Sequence[float]) -> float:
+    """The mean of the TTFTs of the requests that got one (a refused request's is NaN)."""
     done = [v for v in values if not math.isnan(v)]
     return sum(done) / len(done) if done else math.inf
 
