@@ -3,9 +3,11 @@
 
 Everything runs on this machine in one go, against the same simulated pods (``--profile fast``,
 so the pods are not the bottleneck): ``wrk`` sends small non-streamed completions, first on one
-connection (added latency), then on 64 (throughput). The CPU each router process used per
-request is read from /proc. Then every target gets the attack suite of ``edge_attacks.py``
-(oversized URL and headers, slowloris, pipelining, CL+TE smuggling, deep JSON, bad UTF-8).
+connection (added latency), then on 64 (throughput). Then a few clients stream long answers
+(``--streams``, each token its own chunk, as a decoding pod sends them): what relaying a token
+costs. The CPU each router process used per request and per streamed token is read from /proc.
+Then every target gets the attack suite of ``edge_attacks.py`` (oversized URL and headers,
+slowloris, pipelining, CL+TE smuggling, deep JSON, bad UTF-8).
 
 * ``kvflow`` (the headline) is the gateway as users get it: ``kvflow gateway --model M
   --endpoint ...`` and nothing else (the ``default`` profile, default scrapes and KV events,
@@ -43,6 +45,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
+
 from kvflow.local.procs import ProcessGroup, kvflow_argv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,6 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".kvflow" / "peers" / "venv"
 MODEL = "bench-model"
 BODY = json.dumps({"model": MODEL, "prompt": "Say hello to the benchmark", "max_tokens": 4})
+STREAM_BODY = {"model": MODEL, "prompt": "Say hello to the benchmark", "max_tokens": 256, "stream": True,
+               "ignore_eos": True}
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -88,6 +94,10 @@ class Row:
     cpu_us_per_req: float | None
     errors: int
     attacks: dict[str, bool] | None = None
+    stream_tokens_s: float | None = None
+    stream_itl_p50_ms: float | None = None
+    stream_itl_p99_ms: float | None = None
+    stream_cpu_us_per_token: float | None = None
 
 
 def ensure_peers() -> Path:
@@ -154,6 +164,40 @@ def children(pid: int) -> list[int]:
     return found
 
 
+@dataclass
+class Streamed:
+    tokens: int
+    gaps: list[float]
+    """Seconds between two tokens reaching a client (0 for the later tokens of one read)."""
+    errors: int
+
+
+async def stream_load(url: str, hosts: list[str], streams: int, seconds: float) -> Streamed:
+    """``streams`` clients, each asking for streamed completions back to back for ``seconds``
+    (spread over ``hosts`` like wrk's threads)."""
+    got = Streamed(0, [], 0)
+    deadline = time.perf_counter() + seconds
+
+    async def client(session: aiohttp.ClientSession, host: str) -> None:
+        while time.perf_counter() < deadline:
+            async with session.post(url.replace(hosts[0], host, 1), json=STREAM_BODY) as r:
+                if r.status != 200:
+                    got.errors += 1
+                    await r.read()
+                    continue
+                last = None
+                async for piece in r.content.iter_any():
+                    now, n = time.perf_counter(), piece.count(b"data: {")
+                    if n and last is not None:
+                        got.gaps += [now - last, *[0.0] * (n - 1)]
+                    if n:
+                        got.tokens, last = got.tokens + n, now
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(client(session, hosts[i % len(hosts)]) for i in range(streams)))
+    return got
+
+
 def measure(name: str, url: str, hosts: list[str], pid: int | None, args: argparse.Namespace,
             warm: bool = False) -> Row:
     time.sleep(1.0)  # let the pods finish what the previous run's 64 connections left behind
@@ -163,7 +207,19 @@ def measure(name: str, url: str, hosts: list[str], pid: int | None, args: argpar
     before = cpu_seconds(pid) if pid else 0.0
     c64 = wrk(url, hosts, connections=args.connections, seconds=args.seconds)
     cpu = (cpu_seconds(pid) - before) / c64["requests"] * 1e6 if pid and c64["requests"] else None
-    return Row(name, c1["p50"], c1["p99"], c64["rps"], c64["p50"], cpu, int(c1["errors"] + c64["errors"]))
+    row = Row(name, c1["p50"], c1["p99"], c64["rps"], c64["p50"], cpu, int(c1["errors"] + c64["errors"]))
+    if args.streams and args.stream_seconds > 0:
+        time.sleep(1.0)
+        before = cpu_seconds(pid) if pid else 0.0
+        streamed = asyncio.run(stream_load(url, hosts, args.streams, args.stream_seconds))
+        if pid and streamed.tokens:
+            row.stream_cpu_us_per_token = (cpu_seconds(pid) - before) / streamed.tokens * 1e6
+        row.stream_tokens_s = streamed.tokens / args.stream_seconds
+        if streamed.gaps:
+            gaps = statistics.quantiles(streamed.gaps, n=100)
+            row.stream_itl_p50_ms, row.stream_itl_p99_ms = gaps[49] * 1e3, gaps[98] * 1e3
+        row.errors += streamed.errors
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-attacks", action="store_true", help="skip the attack suite")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag for kvflow gateway")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the table shows medians")
+    p.add_argument("--streams", type=int, default=4, help="streaming clients (0: no streaming run)")
+    p.add_argument("--stream-seconds", type=float, default=3.0, help="streaming run per target and round")
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         print("bench_gateway needs wrk (apt-get install wrk)", file=sys.stderr)
@@ -260,10 +318,15 @@ def median_row(name: str, runs: list[Row]) -> Row:
     def med(values: list[float]) -> float:
         return statistics.median(values)
 
-    cpus = [r.cpu_us_per_req for r in runs if r.cpu_us_per_req is not None]
+    def med_of(field: str) -> float | None:
+        values = [v for r in runs if (v := getattr(r, field)) is not None]
+        return med(values) if values else None
+
     return Row(name, med([r.p50_c1_ms for r in runs]), med([r.p99_c1_ms for r in runs]),
                med([r.rps_c64 for r in runs]), med([r.p50_c64_ms for r in runs]),
-               med(cpus) if cpus else None, sum(r.errors for r in runs))
+               med_of("cpu_us_per_req"), sum(r.errors for r in runs),
+               stream_tokens_s=med_of("stream_tokens_s"), stream_itl_p50_ms=med_of("stream_itl_p50_ms"),
+               stream_itl_p99_ms=med_of("stream_itl_p99_ms"), stream_cpu_us_per_token=med_of("stream_cpu_us_per_token"))
 
 
 LAYERS = ["uvicorn+own", "granian+own", "own+aiohttp", "own+pyreqwest"]
@@ -285,6 +348,18 @@ def print_table(rows: list[Row]) -> None:
                                                                               if failed else "")
         print(f"| {r.target} | {r.p50_c1_ms:.3f} | {added} | {r.p99_c1_ms:.3f} | {r.rps_c64:.0f} | "
               f"{r.p50_c64_ms:.2f} | {cpu} | {r.errors} | {attacks} |")
+    streamed = [r for r in rows if r.stream_tokens_s is not None]
+    if not streamed:
+        return
+    print("\n| target | streamed tokens/s | ITL p50 (ms) | ITL p99 (ms) | router CPU µs/token |")
+    print("|---|---:|---:|---:|---:|")
+
+    def num(value: float | None, digits: int) -> str:
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    for r in streamed:
+        print(f"| {r.target} | {r.stream_tokens_s:.0f} | {num(r.stream_itl_p50_ms, 3)} | {num(r.stream_itl_p99_ms, 3)} "
+              f"| {num(r.stream_cpu_us_per_token, 1)} |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ a response is a buffer of chunks plus one waiter future.
     data = await response.read()       # or: while chunk := await response.readany(): ...
     response.release()                 # back to the pool (or response.close() to abort)
 
+A stream relayed to a client goes through ``pipe`` instead of ``readany``: every piece is handed
+on from the connection's own callback, so no task wakes and no timer is armed per token.
+
 A connection carries one exchange at a time. ``release`` and ``close`` detach the response from
 its connection, so a second call, or a late ``close`` of an answer already released, is a no-op:
 it must never put the connection in the pool twice or abort the exchange that now uses it (two
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import httptools
 
@@ -38,7 +41,7 @@ class ConnectError(ConnectionError):
 
 class Response:
     __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_buffered", "_done", "_error", "_waiter",
-                 "_keep_alive")
+                 "_keep_alive", "_sink", "_blocked", "_last", "_idle_timer")
 
     def __init__(self, conn: _Connection) -> None:
         self._conn: _Connection | None = conn  # None once released or closed
@@ -51,6 +54,10 @@ class Response:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._keep_alive = False
+        self._sink: Callable[[bytes], bool] | None = None
+        self._blocked = False
+        self._last = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @property
     def content_type(self) -> str:
@@ -80,6 +87,65 @@ class Response:
         data = b"".join(self._chunks)
         self._chunks.clear()
         return data
+
+    async def pipe(self, write: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]],
+                   idle: float | None = None) -> None:
+        """Hand every piece of the body to ``write`` as it arrives, until the end.
+
+        ``write`` is called from the connection's data callback (what is already buffered first),
+        so relaying a token costs no task wake-up and no timer. It returns False when its reader
+        is not keeping up: reading from the pod then pauses until ``drain()`` returns. It must not
+        raise. Raises like ``readany`` when the pod fails, or sends nothing for ``idle`` seconds.
+        """
+        loop = self._loop
+        while self._chunks:
+            chunk = self._chunks.popleft()
+            self._buffered -= len(chunk)
+            if not write(chunk):
+                await drain()
+        self._buffered = 0
+        if self._conn is not None:
+            self._conn.resume()
+        self._sink, self._last = write, loop.time()
+        if idle:
+            self._idle_timer = loop.call_later(idle, self._check_idle, idle)
+        try:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._done:
+                    return
+                if self._blocked:  # the reader is full: the pod waits until it has room
+                    await drain()
+                    self._blocked, self._last = False, loop.time()
+                    if self._conn is not None:
+                        self._conn.resume()
+                    continue
+                await self._wait(None)
+        finally:
+            self._sink = None
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+
+    def _check_idle(self, idle: float) -> None:
+        """``pipe``'s one timer: fails the stream once the pod has been silent ``idle`` seconds."""
+        self._idle_timer = None
+        if self._done or self._error is not None:
+            return
+        due, now = self._last + idle, self._loop.time()
+        if self._blocked or due > now:  # heard from since (or waiting for the client)
+            self._idle_timer = self._loop.call_at(max(due, now + idle / 10), self._check_idle, idle)
+            return
+        self._timed_out()
+
+    def _deliver(self, body: bytes, conn: _Connection) -> None:
+        """A piece of a piped body: on to the sink; pause the pod if the reader is full."""
+        self._last = self._loop.time()
+        if not self._sink(body) and not self._blocked:  # type: ignore[misc]
+            self._blocked = True
+            conn.pause()
+            self._wake()
 
     async def _wait(self, timeout: float | None) -> None:
         loop = self._loop
@@ -185,11 +251,13 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         response = self.response
         assert response is not None
+        if response._sink is not None:
+            response._deliver(body, self)
+            return
         response._chunks.append(body)
         response._buffered += len(body)
-        if response._buffered >= _PAUSE_AT and self.transport is not None and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
+        if response._buffered >= _PAUSE_AT:
+            self.pause()
         response._wake()
 
     def on_message_complete(self) -> None:
@@ -199,6 +267,11 @@ class _Connection(asyncio.Protocol):
         response._wake()
 
     # --- used by Response and the pool ----------------------------------------------------
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
     def resume(self) -> None:
         if self.paused and self.transport is not None:
             self.paused = False
@@ -214,6 +287,7 @@ class _Connection(asyncio.Protocol):
     def give_back(self, response: Response) -> None:
         if self.closed or self.response is not response:
             return
+        self.resume()  # a relay that ended while its client was full paused the reading
         self.response = None  # the parser, at a message boundary, reads the next answer as it is
         self.pool._idle.setdefault(self.key, []).append(self)
 

@@ -116,6 +116,15 @@ class Responder:
             self._conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
             await self._conn.drain()
 
+    def write_now(self, chunk: bytes) -> bool:
+        """``write`` without waiting (a relay's callback): False once the client has gone or its
+        buffer is full, and then ``drain`` says which."""
+        return self._conn.write_now(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b"")
+
+    async def drain(self) -> None:
+        """Until the client has room again; ConnectionResetError once it has gone."""
+        await self._conn.drain()
+
     def end(self) -> None:
         self._conn.write(b"0\r\n\r\n")
 
@@ -431,6 +440,13 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             raise ConnectionResetError("the client has gone")
         self.transport.write(data)  # type: ignore[union-attr]
+
+    def write_now(self, data: bytes) -> bool:
+        if self.closed:
+            return False
+        if data:
+            self.transport.write(data)  # type: ignore[union-attr]
+        return not self._paused
 
     async def drain(self) -> None:
         if self.closed:

@@ -190,7 +190,10 @@ async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: fl
         out.start(upstream.status, [("Content-Type", upstream.content_type or SSE_CONTENT_TYPE),
                                     ("Cache-Control", "no-cache"), ("X-Request-Id", ex.request_id)])
         await out.write(answer.first_chunk or b"")
-        await _pump(upstream, out, ex, now, idle)
+        if isinstance(upstream, Response) and isinstance(out, Responder):
+            await _relay(upstream, out, ex, now, idle)
+        else:  # another HTTP client or server (bench/gateway_layers.py)
+            await _pump(upstream, out, ex, now, idle)
         out.end()
     except ConnectionResetError:  # the client left: closing (not releasing) aborts the upstream request
         upstream.close()
@@ -201,18 +204,44 @@ async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: fl
         raise
 
 
+async def _relay(upstream: Response, out: Responder, ex: Exchange, last: float, idle: float) -> None:
+    """The stream's rest, each piece written on to the client from the pod connection's callback."""
+    gaps, write = ex.chunk_gaps, out.write_now
+
+    def forward(chunk: bytes) -> bool:
+        nonlocal last
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        return write(chunk)
+
+    try:
+        await upstream.pipe(forward, out.drain, idle)
+    except ConnectionResetError:  # the client's (ResponseError is the pod's)
+        raise
+    except (OSError, TimeoutError) as exc:
+        await out.write(_midstream(upstream, ex, exc))
+        return
+    upstream.release()
+
+
+def _midstream(upstream: Response, ex: Exchange, exc: BaseException) -> bytes:
+    """The pod failed mid-stream: drop its connection; the error event that ends the client's stream."""
+    upstream.close()
+    ex.error = "midstream"
+    log.warning("request %s: %s failed mid-stream: %s", ex.request_id, ex.upstream, exc)
+    return sse_error(UpstreamError(
+        f"the model server failed mid-stream ({type(exc).__name__}); the answer is incomplete"
+    ))
+
+
 async def _pump(upstream: Response, out: Responder, ex: Exchange, last: float, idle: float) -> None:
     read, gaps, write = upstream.readany, ex.chunk_gaps, out.write
     while True:
         try:
             chunk = await read(idle)
         except (OSError, TimeoutError) as exc:
-            upstream.close()
-            ex.error = "midstream"
-            log.warning("request %s: %s failed mid-stream: %s", ex.request_id, ex.upstream, exc)
-            await write(sse_error(UpstreamError(
-                f"the model server failed mid-stream ({type(exc).__name__}); the answer is incomplete"
-            )))
+            await write(_midstream(upstream, ex, exc))
             return
         if not chunk:
             upstream.release()
