@@ -24,10 +24,14 @@ One estimate weighs cache against load, in one unit (prompt tokens of prefill wo
 * ``steps``: engine steps the prefill spans (chunked prefill takes ``batchTokens`` a step), each
   costing a fixed ``stepTokens`` plus a token's worth per decoding request in the batch.
 
-In seconds, the work is multiplied by the pod's observed seconds per token of work (a slower or
-busier-than-it-looks pod shows it in its time to first token; pods not yet observed count at the
-pool's median, and with no observation at all every pod counts the same). The score is
-``best / estimate``: 1 for the soonest pod, half for a pod twice as slow.
+In seconds, the work is multiplied by the pool's prefill speed: the median of the seconds per
+token of work its pods were observed at (``Flight``: time to first token over the work that was
+ahead). The pods of a pool serve one model on like hardware; what tells them apart is their load,
+which the work above models. One speed per pod mostly learned that model's errors instead: in a
+burst a pod whose requests waited longer than its queue said looked two or three times slower,
+was left alone, and got no first token to correct it (docs/router.md, "The pool's speed"). With
+no observation yet, every pod counts the same. The score is ``best / estimate``: 1 for the
+soonest pod, half for a pod twice as slow.
 
 So a popular prefix stays on the pods that cache it until their queue costs more than computing
 the prefix elsewhere, and then spreads (it is replicated where it lands next); a cold prefix stays
@@ -62,6 +66,18 @@ class TtftParams(NoParams):
     (0.5, measured on the routing benchmark's replay over five seeds; 1 and 0.25 did worse)."""
 
 
+SPEED_SAMPLE = 64
+"""Pods whose speeds a large pool's median is taken over (spread over the pool)."""
+
+
+def pool_speed(endpoints: Sequence[EndpointView]) -> float:
+    """The pool's prefill seconds per token of work: the median of its pods' observed speeds
+    (over ``SPEED_SAMPLE`` of them, spread over a larger pool); 0 while none is observed."""
+    step = len(endpoints) // SPEED_SAMPLE or 1
+    observed = [s for ep in endpoints[::step] if (s := ep.counter.seconds_per_token) > 0.0]
+    return statistics.median(observed) if observed else 0.0
+
+
 @register("ttft-scorer", "scorer")
 class TtftScorer:
     Params = TtftParams
@@ -81,9 +97,11 @@ class TtftScorer:
         in the order of ``endpoints``.
 
         The arithmetic is inlined, in one pass: this runs for every endpoint of every decision,
-        and a thousand pods must cost well under a millisecond. Pods whose speed is not observed
-        yet, and other routers' waiting requests (rare: several router replicas), are filled in
-        after it, once the pool's median speed and the mean work per request are known."""
+        and a thousand pods must cost well under a millisecond. Other routers' waiting requests
+        (rare: several router replicas) are filled in after it, once the mean work per request
+        is known."""
+        spt = pool_speed(endpoints)
+        rate = 1.0 / spt if spt > 0.0 else endpoints[0].counter.default_rate if endpoints else 0.0
         prompt = cycle.prompt_tokens
         matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
         held = matches.get
@@ -95,15 +113,12 @@ class TtftScorer:
         step, per_decode, batch, copy_weight = self.step_tokens, self.decode_tokens, self.batch_tokens, self.copy_weight
         evict_weight = self.evict_weight
         estimates: list[float] = []
-        unobserved: list[int] = []
-        """Pods not observed yet: their estimate is still in tokens of work."""
         foreign: list[tuple[int, float, float, int, int]] = []
         for ep in endpoints:
             c = ep.counter
-            spt = c.seconds_per_token
             queued = c.backlog  # what is left of it: FIFO work draining since, cut short by first tokens
             if queued:
-                queued -= (now - c.backlog_at) * (1.0 / spt if spt > 0.0 else c.default_rate)
+                queued -= (now - c.backlog_at) * rate
                 known = c.sent_work - c.done_work
                 if known < queued:
                     queued = known
@@ -119,26 +134,15 @@ class TtftScorer:
             decoding = c.in_flight - c.prefilling + c.foreign_running
             if c.foreign_waiting:
                 foreign.append((len(estimates), work, copy, decoding, c.foreign_waiting))
-            if spt > 0.0:
-                estimates.append((work + copy + (1 + work // batch) * (step + decoding * per_decode)) * spt)
-            else:
-                unobserved.append(len(estimates))
-                estimates.append(work + copy + (1 + work // batch) * (step + decoding * per_decode))
+            estimates.append(work + copy + (1 + work // batch) * (step + decoding * per_decode))
         if foreign:
             sent = sum(ep.counter.sent_requests for ep in endpoints)
             mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
             for i, work, copy, decoding, waiting in foreign:
                 work += waiting * mean_work
                 estimates[i] = work + copy + (1 + work // batch) * (step + decoding * per_decode)
-                spt = endpoints[i].counter.seconds_per_token
-                if spt > 0.0:
-                    estimates[i] *= spt
-        if unobserved:
-            # a pod not observed yet is as fast as the pool's median, else the configured rate
-            observed = [s for ep in endpoints if (s := ep.counter.seconds_per_token) > 0.0]
-            median = statistics.median(observed) if observed else 0.0
-            for i in unobserved:
-                estimates[i] *= median or 1.0 / endpoints[i].counter.default_rate
+        if spt > 0.0:
+            estimates = [e * spt for e in estimates]
         return estimates
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Scores:
