@@ -300,97 +300,84 @@ async def _no_wait() -> None:
     pass
 
 
-async def test_pipe_hands_on_every_piece_in_order_what_was_buffered_first(ticker) -> None:  # type: ignore[no-untyped-def]
-    pool = ConnectionPool()
-    try:
-        r = await pool.post(*ticker, "/?n=6&every=0.02&then=end", b"", [], timeout=2)
-        first = await r.readany(2)  # as the gateway reads the first token before it relays the rest
-        await asyncio.sleep(0.05)  # more pieces wait in the buffer when the pipe starts
-        assert r._chunks
-        piped: list[bytes] = []
+@pytest.fixture
+async def pool() -> AsyncIterator[ConnectionPool]:
+    p = ConnectionPool()
+    yield p
+    p.close()
+
+
+async def test_pipe_hands_on_every_piece_in_order_what_was_buffered_first(ticker, pool) -> None:  # type: ignore[no-untyped-def]
+    r = await pool.post(*ticker, "/?n=6&every=0.02&then=end", b"", [], timeout=2)
+    first = await r.readany(2)  # as the gateway reads the first token before it relays the rest
+    await asyncio.sleep(0.05)  # more pieces wait in the buffer when the pipe starts
+    assert r._chunks
+    piped: list[bytes] = []
+    await asyncio.wait_for(r.pipe(lambda c: piped.append(c) is None, _no_wait, idle=1), 5)
+    assert first + b"".join(piped) == _ticks(6) and len(piped) >= 3
+    r.release()
+    assert len(pool._idle[ticker]) == 1  # read to its end: the connection is kept
+
+
+async def test_pipe_pauses_the_pod_while_the_reader_is_full(ticker, pool) -> None:  # type: ignore[no-untyped-def]
+    r = await pool.post(*ticker, "/?n=5&every=0.01&then=end", b"", [], timeout=2)
+    conn = r._conn
+    piped: list[bytes] = []
+    paused_while_draining: list[bool] = []
+
+    def sink(chunk: bytes) -> bool:
+        piped.append(chunk)
+        return len(piped) != 2  # the reader is full after the second piece
+
+    async def drain() -> None:
+        paused_while_draining.append(conn.paused)
+        await asyncio.sleep(0.1)
+
+    await asyncio.wait_for(r.pipe(sink, drain, idle=1), 5)
+    assert b"".join(piped) == _ticks(5)
+    assert paused_while_draining == [True] and not conn.paused  # read again once drained
+    r.release()
+
+
+async def test_pipe_fails_a_stream_the_pod_leaves_silent_for_idle_seconds(ticker, pool) -> None:  # type: ignore[no-untyped-def]
+    # steady pieces for twice the idle time: the one timer is pushed on, never fires
+    r = await pool.post(*ticker, "/?n=8&every=0.05&then=end", b"", [], timeout=2)
+    piped: list[bytes] = []
+    await asyncio.wait_for(r.pipe(lambda c: piped.append(c) is None, _no_wait, idle=0.2), 5)
+    assert b"".join(piped) == _ticks(8)
+    r.release()
+    r = await pool.post(*ticker, "/?n=1&every=0&then=hang", b"", [], timeout=2)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(r.pipe(lambda c: True, _no_wait, idle=0.2), 5)
+    assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
+    assert not pool._all  # its connection (the first stream's, reused) was dropped
+
+
+async def test_pipe_raises_when_the_pod_drops_the_connection_mid_stream(ticker, pool) -> None:  # type: ignore[no-untyped-def]
+    r = await pool.post(*ticker, "/?n=2&every=0.01&then=close", b"", [], timeout=2)
+    piped: list[bytes] = []
+    with pytest.raises(ConnectionError, match="closed by the pod"):
         await asyncio.wait_for(r.pipe(lambda c: piped.append(c) is None, _no_wait, idle=1), 5)
-        assert first + b"".join(piped) == _ticks(6) and len(piped) >= 3
-        r.release()
-        assert len(pool._idle[ticker]) == 1  # read to its end: the connection is kept
-    finally:
-        pool.close()
+    assert b"".join(piped) == _ticks(2)
 
 
-async def test_pipe_pauses_the_pod_while_the_reader_is_full(ticker) -> None:  # type: ignore[no-untyped-def]
-    pool = ConnectionPool()
-    try:
-        r = await pool.post(*ticker, "/?n=5&every=0.01&then=end", b"", [], timeout=2)
-        conn = r._conn
-        piped: list[bytes] = []
-        paused_while_draining: list[bool] = []
+async def test_a_relay_that_ends_while_its_reader_is_full_leaves_the_connection_reading(ticker, pool) -> None:  # type: ignore[no-untyped-def]
+    r = await pool.post(*ticker, "/?n=4&every=0.05&then=end", b"", [], timeout=2)
+    conn = r._conn
+    piped: list[bytes] = []
 
-        def sink(chunk: bytes) -> bool:
-            piped.append(chunk)
-            return len(piped) != 2  # the reader is full after the second piece
+    def full(chunk: bytes) -> bool:
+        piped.append(chunk)
+        return False
 
-        async def drain() -> None:
-            paused_while_draining.append(conn.paused)
-            await asyncio.sleep(0.1)
+    async def slow_drain() -> None:
+        await asyncio.sleep(0.2)  # meanwhile the pod sends the rest and the end: read at once after
 
-        await asyncio.wait_for(r.pipe(sink, drain, idle=1), 5)
-        assert b"".join(piped) == _ticks(5)
-        assert paused_while_draining == [True] and not conn.paused  # read again once drained
-        r.release()
-    finally:
-        pool.close()
-
-
-async def test_pipe_fails_a_stream_the_pod_leaves_silent_for_idle_seconds(ticker) -> None:  # type: ignore[no-untyped-def]
-    pool = ConnectionPool()
-    try:
-        # steady pieces for twice the idle time: the one timer is pushed on, never fires
-        r = await pool.post(*ticker, "/?n=8&every=0.05&then=end", b"", [], timeout=2)
-        piped: list[bytes] = []
-        await asyncio.wait_for(r.pipe(lambda c: piped.append(c) is None, _no_wait, idle=0.2), 5)
-        assert b"".join(piped) == _ticks(8)
-        r.release()
-        r = await pool.post(*ticker, "/?n=1&every=0&then=hang", b"", [], timeout=2)
-        started = asyncio.get_running_loop().time()
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(r.pipe(lambda c: True, _no_wait, idle=0.2), 5)
-        assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
-        assert not pool._all  # its connection (the first stream's, reused) was dropped
-    finally:
-        pool.close()
-
-
-async def test_pipe_raises_when_the_pod_drops_the_connection_mid_stream(ticker) -> None:  # type: ignore[no-untyped-def]
-    pool = ConnectionPool()
-    try:
-        r = await pool.post(*ticker, "/?n=2&every=0.01&then=close", b"", [], timeout=2)
-        piped: list[bytes] = []
-        with pytest.raises(ConnectionError, match="closed by the pod"):
-            await asyncio.wait_for(r.pipe(lambda c: piped.append(c) is None, _no_wait, idle=1), 5)
-        assert b"".join(piped) == _ticks(2)
-    finally:
-        pool.close()
-
-
-async def test_a_relay_that_ends_while_its_reader_is_full_leaves_the_connection_reading(ticker) -> None:  # type: ignore[no-untyped-def]
-    pool = ConnectionPool()
-    try:
-        r = await pool.post(*ticker, "/?n=4&every=0.05&then=end", b"", [], timeout=2)
-        conn = r._conn
-        piped: list[bytes] = []
-
-        def full(chunk: bytes) -> bool:
-            piped.append(chunk)
-            return False
-
-        async def slow_drain() -> None:
-            await asyncio.sleep(0.2)  # meanwhile the pod sends the rest and the end: read at once after
-
-        await asyncio.wait_for(r.pipe(full, slow_drain, idle=1), 5)
-        assert b"".join(piped) == _ticks(4) and conn.paused  # the end came in while the reader was full
-        r.release()
-        assert not conn.paused  # given back reading, or the next exchange on it would hang
-        again = await pool.post(*ticker, "/?n=2&every=0&then=end", b"", [], timeout=2)
-        assert again._conn is conn and await again.read(2) == _ticks(2)
-        again.release()
-    finally:
-        pool.close()
+    await asyncio.wait_for(r.pipe(full, slow_drain, idle=1), 5)
+    assert b"".join(piped) == _ticks(4) and conn.paused  # the end came in while the reader was full
+    r.release()
+    assert not conn.paused  # given back reading, or the next exchange on it would hang
+    again = await pool.post(*ticker, "/?n=2&every=0&then=end", b"", [], timeout=2)
+    assert again._conn is conn and await again.read(2) == _ticks(2)
+    again.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 import numpy as np
 
@@ -10,6 +11,7 @@ from kvflow.endpoints import Endpoint
 from kvflow.router.framework import Cycle
 from kvflow.router.model import EndpointView, EngineMetrics, LoadCounter, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
+from kvflow.router.plugins.ttft import pool_speed
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
 
 PROMPT = list(range(1000, 1512))  # 32 blocks of 16
@@ -130,3 +132,13 @@ def test_a_pod_that_looked_slow_in_a_burst_is_not_left_idle() -> None:
     # model got wrong); now it is idle and the others have a queue: it gets the request
     est = run({}, queued={1: 400, 2: 400}, speed={0: 0.003, 1: 0.001, 2: 0.001})
     assert min(est, key=est.__getitem__) == 0
+
+
+def test_a_large_pools_speed_is_the_median_of_a_sample_spread_over_it() -> None:
+    # 1,000 pods: every other one not observed yet, one in seven of the rest ten times slower
+    speeds = [0.0 if i % 2 else 0.01 if i % 7 == 0 else 0.001 for i in range(1000)]
+    views = [EndpointView(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000), EngineMetrics(),
+                          counter=LoadCounter(seconds_per_token=s)) for i, s in enumerate(speeds)]
+    assert pool_speed(views) == 0.001
+    assert pool_speed(views[1::2]) == 0.0  # nobody observed
+    assert pool_speed(views[:4]) == statistics.median([0.01, 0.001])
