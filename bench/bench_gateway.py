@@ -172,15 +172,15 @@ class Streamed:
     errors: int
 
 
-async def stream_load(url: str, hosts: list[str], streams: int, seconds: float) -> Streamed:
-    """``streams`` clients, each asking for streamed completions back to back for ``seconds``
-    (spread over ``hosts`` like wrk's threads)."""
+async def stream_load(hosts: list[str], streams: int, seconds: float) -> Streamed:
+    """``streams`` clients, each asking ``/v1/completions`` for streamed completions back to back
+    for ``seconds`` (spread over ``hosts``, HOST:PORT, like wrk's threads)."""
     got = Streamed(0, [], 0)
     deadline = time.perf_counter() + seconds
 
     async def client(session: aiohttp.ClientSession, host: str) -> None:
         while time.perf_counter() < deadline:
-            async with session.post(url.replace(hosts[0], host, 1), json=STREAM_BODY) as r:
+            async with session.post(f"http://{host}/v1/completions", json=STREAM_BODY) as r:
                 if r.status != 200:
                     got.errors += 1
                     await r.read()
@@ -211,7 +211,7 @@ def measure(name: str, url: str, hosts: list[str], pid: int | None, args: argpar
     if args.streams and args.stream_seconds > 0:
         time.sleep(1.0)
         before = cpu_seconds(pid) if pid else 0.0
-        streamed = asyncio.run(stream_load(url, hosts, args.streams, args.stream_seconds))
+        streamed = asyncio.run(stream_load(hosts, args.streams, args.stream_seconds))
         if pid and streamed.tokens:
             row.stream_cpu_us_per_token = (cpu_seconds(pid) - before) / streamed.tokens * 1e6
         row.stream_tokens_s = streamed.tokens / args.stream_seconds
