@@ -105,6 +105,20 @@ def ensure(kind: str) -> str:
     return found
 
 
+def check(spec: RouterSpec, prefill_pods: int) -> str | None:
+    """Skip if the router cannot run a workload with ``prefill_pods`` prefill pods here (its
+    binary missing and not installable, or P/D it cannot drive), before any pod is started for
+    it; else the peer's executable (None for kvflow, which runs from this tree)."""
+    if spec.kind == "kvflow":
+        return None
+    if prefill_pods and spec.kind == "sglang":
+        raise Skip("sglang-router's P/D mode speaks SGLang's bootstrap protocol (bootstrap_host/port/room), "
+                   "not vLLM's NixlConnector kv_transfer_params: it cannot drive vLLM P/D pods")
+    if prefill_pods and spec.kind == "vllm" and spec.policy == "kv_aware":
+        raise Skip("vllm-router kv_aware in P/D mode needs per-DP-rank event sources; not set up here")
+    return ensure(spec.kind)
+
+
 def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[str]:
     """The router's command line for these pods, listening on 127.0.0.1:``port``."""
     decode = [p for p in pods if p.role != "prefill"]
@@ -118,20 +132,15 @@ def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> lis
         out += [a for p in decode for a in ("--endpoint", p.address)]
         out += [a for p in prefill for a in ("--prefill-endpoint", p.address)]
         return out + (["--profile", spec.policy] if spec.policy else [])
-    exe = ensure(spec.kind)
+    exe = check(spec, len(prefill))
+    assert exe is not None and spec.policy is not None
     metrics_port = str(free_port("127.0.0.1"))
-    assert spec.policy is not None
     if spec.kind == "sglang":
-        if prefill:
-            raise Skip("sglang-router's P/D mode speaks SGLang's bootstrap protocol (bootstrap_host/port/room), "
-                       "not vLLM's NixlConnector kv_transfer_params: it cannot drive vLLM P/D pods")
         return [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", spec.policy,
                 "--worker-urls", *[p.url for p in decode], "--log-level", "warn", "--prometheus-port", metrics_port]
     out = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", spec.policy, "--log-level", "warning",
            "--prometheus-port", metrics_port]
     if prefill:
-        if spec.policy == "kv_aware":
-            raise Skip("vllm-router kv_aware in P/D mode needs per-DP-rank event sources; not set up here")
         out += ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
         for p in prefill:
             out += ["--prefill", p.url]

@@ -147,6 +147,12 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
     specs = [routers.RouterSpec.parse(n) for n in router_names]
     vocabulary = words(traces.values())
     for spec in specs:
+        try:  # before its pods start: a router that cannot run here costs nothing
+            await asyncio.to_thread(routers.check, spec, workload.prefill_pods)
+        except routers.Skip as exc:
+            outcome.skipped.append(f"{spec.name}: {exc}")
+            log(opts, f"  skipping {spec.name}: {exc}")
+            continue
         # Fresh pods for every router, warmed alike: pods that served an earlier router's runs
         # have tokenized its prompts before (the simulator's tokenizer remembers words and text
         # chunks), which took 2-3 ms off the path of whichever router ran second.

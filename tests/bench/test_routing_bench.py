@@ -10,6 +10,7 @@ real sizes.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from kvbench import oracle, report, routers
@@ -47,6 +48,17 @@ async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path
     png = tmp_path / "smoke.png"
     report.plot(outcome.rows, "smoke", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_a_router_that_cannot_drive_the_workload_is_skipped_before_its_pods_start(tmp_path: Path) -> None:
+    pd_smoke = replace(SMOKE, name="smoke-pd", decode_pods=1, prefill_pods=1)
+    outcome = await bench_workload(pd_smoke, ["sglang:cache_aware"],
+                                   Options(duration=1.0, rates=(4.0,), log_dir=tmp_path, verbose=False))
+
+    assert [s.split(":")[0] for s in outcome.skipped] == ["sglang cache_aware"]
+    assert "bootstrap protocol" in outcome.skipped[0]
+    assert not any(r.measured for r in outcome.rows)  # the replays still ran; nothing was measured
+    assert list(tmp_path.rglob("pod-*")) == []  # and no pod was started for it
 
 
 def test_the_pods_are_warmed_with_every_word_of_the_traces_once() -> None:
