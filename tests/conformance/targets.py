@@ -5,7 +5,8 @@
 Both are started the way tests/golden was captured (kvflow.local.realvllm's settings): served name
 ``tiny-llama``, block size 32, max model len 512, 48 KV blocks, server load tracking, PYTHONHASHSEED, and KV events
 published to a SUB socket *the test binds* (``tcp://127.0.0.1:P``: the server connects, as in
-llm-d). The sim uses the tiny model's tokenizer when it is built, so token counts agree too.
+llm-d). The sim uses the tiny model's tokenizer (its copy in tests/golden, the one the recordings
+were captured with), so token counts agree too, on a machine that never built the model as well.
 """
 
 from __future__ import annotations
@@ -35,13 +36,6 @@ KINDS = ["sim", pytest.param("vllm", marks=[pytest.mark.real_vllm, pytest.mark.t
 
 def golden(name: str) -> Any:
     return json.loads((GOLDEN / name).read_text())
-
-
-def tiny_model_dir() -> Path | None:
-    from kvflow.local import realvllm
-
-    d = realvllm.tiny_model_dir()
-    return d if (d / "tokenizer.json").is_file() else None
 
 
 @dataclass
@@ -83,9 +77,11 @@ def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None) 
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep.events, "topic": TOPIC,
                          "replay_endpoint": ep.replay})
     if kind == "sim":
-        model = tiny_model_dir()
+        # the tokenizer the recordings were captured with (the tiny model's, kept under
+        # tests/golden): a machine that never built the model has it too
+        model = GOLDEN / "tiny-llama-tokenizer"
         argv = kvflow_argv(
-            "sim", "--host", ep.host, "--port", str(ep.port), "--model", str(model or MODEL),
+            "sim", "--host", ep.host, "--port", str(ep.port), "--model", str(model),
             "--served-model-name", MODEL, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
             "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "16", "--profile", "fast",
             "--prefix-caching-hash-algo", hash_algo, "--kv-events-config", config, "--enable-server-load-tracking",
