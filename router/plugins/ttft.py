@@ -102,6 +102,7 @@ class TtftScorer:
         is known."""
         spt = pool_speed(endpoints)
         rate = 1.0 / spt if spt > 0.0 else endpoints[0].counter.default_rate if endpoints else 0.0
+        scale = spt if spt > 0.0 else 1.0  # seconds per token of work; in tokens until one is observed
         prompt = cycle.prompt_tokens
         matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
         held = matches.get
@@ -134,15 +135,13 @@ class TtftScorer:
             decoding = c.in_flight - c.prefilling + c.foreign_running
             if c.foreign_waiting:
                 foreign.append((len(estimates), work, copy, decoding, c.foreign_waiting))
-            estimates.append(work + copy + (1 + work // batch) * (step + decoding * per_decode))
+            estimates.append((work + copy + (1 + work // batch) * (step + decoding * per_decode)) * scale)
         if foreign:
             sent = sum(ep.counter.sent_requests for ep in endpoints)
             mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
             for i, work, copy, decoding, waiting in foreign:
                 work += waiting * mean_work
-                estimates[i] = work + copy + (1 + work // batch) * (step + decoding * per_decode)
-        if spt > 0.0:
-            estimates = [e * spt for e in estimates]
+                estimates[i] = (work + copy + (1 + work // batch) * (step + decoding * per_decode)) * scale
         return estimates
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Scores:
