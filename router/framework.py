@@ -17,13 +17,16 @@ declare ``reads_prefixes`` (and by the P/D decider).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from kvflow.errors import NoCapacityError
 from kvflow.router.fingerprint import PromptFingerprints
+from kvflow.router.load import Loads
 from kvflow.router.model import EndpointView, SchedulingRequest, SchedulingResult
 from kvflow.endpoints import EndpointId
 
@@ -53,6 +56,18 @@ class Cycle:
     @property
     def prompt_tokens(self) -> int:
         return len(self.request.token_ids)
+
+    def loads(self, endpoints: Sequence[EndpointView]) -> Loads:
+        """The load counters of ``endpoints``, column by column: gathered once for the plugins
+        that read the same candidates (a filter that narrows them passes its ``Loads`` on with
+        ``set_loads``)."""
+        found: Loads | None = self.data.get("loads")
+        if found is None or found.endpoints is not endpoints:
+            found = self.data["loads"] = Loads(endpoints)
+        return found
+
+    def set_loads(self, loads: Loads) -> None:
+        self.data["loads"] = loads
 
 
 class Filter(Protocol):
@@ -136,8 +151,8 @@ class Profile:
             filtered[f.name] = len(candidates)
             if not candidates:
                 raise NoCapacityError(f"no endpoint can serve model {cycle.request.model!r} (filter {f.name})")
-        ids = [ep.id for ep in candidates]
-        totals: list[float] | None = None
+        ids: list[EndpointId] = []  # read only for a scorer that answers with a dict
+        totals: list[float] | np.ndarray | None = None
         by_scorer: dict[str, Mapping[EndpointId, float]] = {}
         for scorer, weight in self.scorers:
             got = scorer.score(cycle, candidates)
@@ -145,17 +160,25 @@ class Profile:
                 continue
             by_scorer[scorer.name] = got
             # Each total is summed in scorer order: the same floats whatever the endpoint count.
-            # A missing endpoint scores 0, and scores are clamped to [0, 1].
-            values = got.aligned if type(got) is Scores and got.endpoints is candidates else map(got.get, ids, repeat(0.0))
-            if totals is None:
+            # A missing endpoint scores 0, and scores are clamped to [0, 1]. Scores that come as
+            # a numpy array (a scorer's columns, for many endpoints) are added up as one.
+            if type(got) is Scores and got.endpoints is candidates:
+                values: Iterable[float] | np.ndarray = got.aligned
+            else:
+                ids = ids or [ep.id for ep in candidates]
+                values = map(got.get, ids, repeat(0.0))
+            if isinstance(values, np.ndarray) or isinstance(totals, np.ndarray):
+                column = values if isinstance(values, np.ndarray) else np.fromiter(values, np.float64, len(candidates))
+                term = weight * np.minimum(np.maximum(column, 0.0), 1.0)  # (np.clip costs more)
+                totals = term if totals is None else totals + term
+            elif totals is None:
                 totals = [weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s) for s in values]
             else:
                 totals = [t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s) for t, s in zip(totals, values)]
-        if totals is None:
-            totals = [0.0] * len(ids)
-        scores = _PerEndpoint(by_scorer, ids)
-        ordered = self.picker.pick(cycle, list(zip(candidates, totals)))
-        return ProfileRun(self.name, tuple(ordered), Scores(candidates, totals), scores, filtered)
+        aligned = totals.tolist() if isinstance(totals, np.ndarray) else totals or [0.0] * len(candidates)
+        scores = _PerEndpoint(by_scorer, candidates)
+        ordered = self.picker.pick(cycle, list(zip(candidates, aligned)))
+        return ProfileRun(self.name, tuple(ordered), Scores(candidates, aligned), scores, filtered)
 
 
 class Scores(Mapping[EndpointId, float]):
@@ -167,14 +190,15 @@ class Scores(Mapping[EndpointId, float]):
 
     __slots__ = ("endpoints", "aligned", "_by_id")
 
-    def __init__(self, endpoints: Sequence[EndpointView], aligned: list[float]) -> None:
+    def __init__(self, endpoints: Sequence[EndpointView], aligned: Sequence[float] | np.ndarray) -> None:
         self.endpoints = endpoints
         self.aligned = aligned
         self._by_id: dict[EndpointId, float] | None = None
 
     def _mapping(self) -> dict[EndpointId, float]:
         if self._by_id is None:
-            self._by_id = {ep.id: v for ep, v in zip(self.endpoints, self.aligned)}
+            values = self.aligned.tolist() if isinstance(self.aligned, np.ndarray) else self.aligned
+            self._by_id = {ep.id: v for ep, v in zip(self.endpoints, values)}
         return self._by_id
 
     def __getitem__(self, eid: EndpointId) -> float:
@@ -197,22 +221,22 @@ def _clamp(s: float) -> float:
 class _PerEndpoint(Mapping[EndpointId, Mapping[str, float]]):
     """Scores by endpoint, transposed from scores by scorer only when read (debug, metrics)."""
 
-    __slots__ = ("_by_scorer", "_ids")
+    __slots__ = ("_by_scorer", "_endpoints")
 
-    def __init__(self, by_scorer: dict[str, Mapping[EndpointId, float]], ids: list[EndpointId]) -> None:
+    def __init__(self, by_scorer: dict[str, Mapping[EndpointId, float]], endpoints: Sequence[EndpointView]) -> None:
         self._by_scorer = by_scorer
-        self._ids = ids
+        self._endpoints = endpoints
 
     def __getitem__(self, eid: EndpointId) -> Mapping[str, float]:
-        if eid not in self._ids:  # a linear scan, but only debug output reads this
+        if eid not in iter(self):  # a linear scan, but only debug output reads this
             raise KeyError(eid)
         return {name: _clamp(per.get(eid, 0.0)) for name, per in self._by_scorer.items()}
 
     def __iter__(self) -> Iterator[EndpointId]:
-        return iter(self._ids)
+        return (ep.id for ep in self._endpoints)
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._endpoints)
 
 
 def min_max_inverse(values: Mapping[EndpointId, float]) -> dict[EndpointId, float]:

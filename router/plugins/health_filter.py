@@ -13,6 +13,11 @@ from kvflow.router.plugins.registry import NoParams, PluginContext, register
 class HealthyFilter:
     def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
         self.name = name
+        self._last: tuple[Sequence[EndpointView], Sequence[EndpointView]] | None = None
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        return [ep for ep in endpoints if ep.healthy]
+        # health is part of the frozen views: the same list of them gets the same answer
+        if self._last is None or self._last[0] is not endpoints:
+            healthy = [ep for ep in endpoints if ep.healthy]
+            self._last = (endpoints, endpoints if len(healthy) == len(endpoints) else healthy)
+        return self._last[1]

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvflow.router.framework import Cycle, Scores
+from kvflow.router.load import VECTOR_MIN
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 
@@ -17,8 +20,12 @@ class KvCacheScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Scores:
+        if len(endpoints) >= VECTOR_MIN:  # every pod at once, from the counters' columns
+            loads = cycle.loads(endpoints)
+            free = 1.0 - loads.kv_base - loads.tokens * loads.kv_per_token
+            return Scores(endpoints, np.minimum(np.maximum(free, 0.0), 1.0))
         out = []
-        for ep in endpoints:  # ``EndpointView.kv_usage`` inlined: runs for every endpoint
+        for ep in endpoints:  # ``EndpointView.kv_usage`` inlined
             c = ep.counter
             free = 1.0 - c.kv_base - c.tokens * c.kv_per_token
             out.append(0.0 if free < 0.0 else 1.0 if free > 1.0 else free)

@@ -20,18 +20,37 @@ def served(ep: EndpointView) -> frozenset[str]:
 
 @register("model-filter", "filter")
 class ModelFilter:
+    MEMO = 64
+    """(model, adapter) pairs whose result is kept per candidate list."""
+
     def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
         self.name = name
+        self._of: Sequence[EndpointView] | None = None
+        self._memo: dict[tuple[str, str | None], Sequence[EndpointView]] = {}
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        model = cycle.request.model
-        lora = cycle.request.lora
+        # The answer depends only on the views (frozen) and the names: the pool's list of views
+        # stays the same object until a scrape or the pod set changes it, so it is computed once
+        # per list and name, not once per request (a thousand pods cost ~0.2 ms).
+        if endpoints is not self._of:
+            self._of, self._memo = endpoints, {}
+        key = (cycle.request.model, cycle.request.lora)
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= self.MEMO:
+                self._memo.clear()
+            found = self._memo[key] = self._filter(*key, endpoints)
+        return found
+
+    @staticmethod
+    def _filter(model: str, lora: str | None, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         if model:
-            endpoints = [
+            serving = [
                 ep
                 for ep in endpoints
                 if not (models := ep.endpoint.models or ep.metrics.models) or model in models or model == lora
             ]
+            endpoints = endpoints if len(serving) == len(endpoints) else serving
         if lora:
             listing = [ep for ep in endpoints if lora in served(ep)]
             return listing or endpoints

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from kvflow.errors import RateLimitError
 from kvflow.router.framework import Cycle
+from kvflow.router.load import VECTOR_MIN
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 
@@ -34,13 +35,20 @@ class SaturationFilter:
         return ep.queue > self.p.queue_limit or ep.kv_usage >= self.p.kv_limit
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        # ``saturated`` inlined (queue and KV use from the live counter): runs for every endpoint
+        # ``saturated`` inlined, with queue and KV use from the live counters: for a few pods one
+        # by one, for many from the counters' columns at once
         queue_limit, kv_limit = self.p.queue_limit, self.p.kv_limit
-        kept = []
-        for ep in endpoints:
-            c = ep.counter
-            if c.prefilling + c.foreign_waiting <= queue_limit and c.kv_base + c.tokens * c.kv_per_token < kv_limit:
-                kept.append(ep)
+        if len(endpoints) < VECTOR_MIN:
+            kept = [ep for ep in endpoints if (c := ep.counter).prefilling + c.foreign_waiting <= queue_limit
+                    and c.kv_base + c.tokens * c.kv_per_token < kv_limit]
+        else:
+            loads = cycle.loads(endpoints)
+            keep = ((loads.prefilling + loads.foreign_waiting <= queue_limit)
+                    & (loads.kv_base + loads.tokens * loads.kv_per_token < kv_limit))
+            if keep.all():
+                return endpoints
+            kept = [ep for ep, k in zip(endpoints, keep.tolist()) if k]
+            cycle.set_loads(loads.subset(keep, kept))
         if endpoints and not kept:
             raise RateLimitError("every endpoint is saturated; retry later", retry_after=self.p.retry_after)
-        return kept
+        return endpoints if len(kept) == len(endpoints) else kept

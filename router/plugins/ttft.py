@@ -42,10 +42,15 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 from pydantic import Field
 
 from kvflow.router.framework import Cycle, Scores
+from kvflow.router.load import VECTOR_MIN
+from kvflow.endpoints import EndpointId
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.prefix_cache import precise_matches
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
@@ -70,12 +75,17 @@ SPEED_SAMPLE = 64
 """Pods whose speeds a large pool's median is taken over (spread over the pool)."""
 
 
-def pool_speed(endpoints: Sequence[EndpointView]) -> float:
+def pool_speed(seconds_per_token: Sequence[float] | np.ndarray) -> float:
     """The pool's prefill seconds per token of work: the median of its pods' observed speeds
-    (over ``SPEED_SAMPLE`` of them, spread over a larger pool); 0 while none is observed."""
-    step = len(endpoints) // SPEED_SAMPLE or 1
-    observed = [s for ep in endpoints[::step] if (s := ep.counter.seconds_per_token) > 0.0]
+    (``LoadCounter.seconds_per_token`` of each, in order; over ``SPEED_SAMPLE`` of them, spread
+    over a larger pool); 0 while none is observed."""
+    sample = seconds_per_token[:: len(seconds_per_token) // SPEED_SAMPLE or 1]
+    observed = [s for s in (sample.tolist() if isinstance(sample, np.ndarray) else sample) if s > 0.0]
     return statistics.median(observed) if observed else 0.0
+
+
+_PLAIN = SimpleNamespace(maximum=max, minimum=min)
+"""What ``_estimate`` calls on one pod's numbers (numpy's functions on a column of them)."""
 
 
 @register("ttft-scorer", "scorer")
@@ -91,60 +101,70 @@ class TtftScorer:
         self.copy_weight = params.copy_weight
         self.evict_weight = params.evict_weight
         self.step_tokens = ctx.step_tokens
+        self._positions_of: tuple[Sequence[EndpointView], dict[EndpointId, int]] = ((), {})
 
-    def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> list[float]:
+    def _positions(self, endpoints: Sequence[EndpointView]) -> dict[EndpointId, int]:
+        """Each endpoint's place in ``endpoints`` (kept for the last list: most cycles score the
+        same one, the pool's, until a scrape changes it)."""
+        of, found = self._positions_of
+        if of is not endpoints:
+            found = {ep.id: i for i, ep in enumerate(endpoints)}
+            self._positions_of = (endpoints, found)
+        return found
+
+    def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> list[float] | np.ndarray:
         """Each pod's estimated time to first token for this request (seconds, or tokens of work),
-        in the order of ``endpoints``.
-
-        The arithmetic is inlined, in one pass: this runs for every endpoint of every decision,
-        and a thousand pods must cost well under a millisecond. Other routers' waiting requests
-        (rare: several router replicas) are filled in after it, once the mean work per request
-        is known."""
-        spt = pool_speed(endpoints)
+        in the order of ``endpoints``: ``_estimate`` pod by pod for a few pods, and once on whole
+        columns (``Loads``, numpy) for ``VECTOR_MIN`` or more, where a thousand pods cost about
+        what a few do."""
+        loads = cycle.loads(endpoints) if len(endpoints) >= VECTOR_MIN else None
+        spt = pool_speed(loads.seconds_per_token if loads is not None
+                         else [ep.counter.seconds_per_token for ep in endpoints])
         rate = 1.0 / spt if spt > 0.0 else endpoints[0].counter.default_rate if endpoints else 0.0
         scale = spt if spt > 0.0 else 1.0  # seconds per token of work; in tokens until one is observed
-        prompt = cycle.prompt_tokens
+        bs, prompt = cycle.block_size, cycle.prompt_tokens
         matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
-        held = matches.get
-        bs, now = cycle.block_size, cycle.now
-        best_cached = 0
-        if matches:
-            candidates = {ep.id for ep in endpoints}
-            best_cached = max((n for eid, n in matches.items() if eid in candidates), default=0) * bs
-        step, per_decode, batch, copy_weight = self.step_tokens, self.decode_tokens, self.batch_tokens, self.copy_weight
-        evict_weight = self.evict_weight
-        estimates: list[float] = []
-        foreign: list[tuple[int, float, float, int, int]] = []
-        for ep in endpoints:
-            c = ep.counter
-            queued = c.backlog  # what is left of it: FIFO work draining since, cut short by first tokens
-            if queued:
-                queued -= (now - c.backlog_at) * rate
-                known = c.sent_work - c.done_work
-                if known < queued:
-                    queued = known
-                if queued < 0.0:
-                    queued = 0.0
-            cached = held(ep.id, 0) * bs
-            uncached = prompt - cached
-            work = queued + (uncached if uncached > 1 else 1)
-            copy = copy_weight * (best_cached - cached)
-            over = uncached - c.room  # the in-use tokens its new ones push out
-            if over > 0.0:
-                copy += evict_weight * (over if over < uncached else uncached)
-            decoding = c.in_flight - c.prefilling + c.foreign_running
-            if c.foreign_waiting:
-                foreign.append((len(estimates), work, copy, decoding, c.foreign_waiting))
-            estimates.append((work + copy + (1 + work // batch) * (step + decoding * per_decode)) * scale)
-        if foreign:
+        cached: list[int] | np.ndarray  # prompt tokens each pod holds
+        if loads is None:
+            cached = [matches.get(ep.id, 0) * bs for ep in endpoints]
+            best_cached: float = max(cached, default=0)
+        else:
+            cached = np.zeros(len(loads))
+            position = self._positions(endpoints)
+            for eid, blocks in matches.items():
+                i = position.get(eid)
+                if i is not None:  # matches may name pods that are not candidates
+                    cached[i] = blocks * bs
+            best_cached = cached.max(initial=0.0)
+        mean_work = 0.0  # other routers' waiting requests count at this router's mean work:
+        if any(ep.counter.foreign_waiting for ep in endpoints) if loads is None else loads.foreign_waiting.any():
             sent = sum(ep.counter.sent_requests for ep in endpoints)
             mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
-            for i, work, copy, decoding, waiting in foreign:
-                work += waiting * mean_work
-                estimates[i] = (work + copy + (1 + work // batch) * (step + decoding * per_decode)) * scale
-        return estimates
+        terms = (cycle.now, rate, prompt, best_cached, mean_work, scale)
+        if loads is None:
+            return [self._estimate(_PLAIN, ep.counter, n, *terms) for ep, n in zip(endpoints, cached)]
+        return self._estimate(np, loads, cached, *terms)  # type: ignore[no-any-return]
+
+    def _estimate(self, m: Any, c: Any, cached: Any, now: float, rate: float, prompt: int, best_cached: float,
+                  mean_work: float, scale: float) -> Any:
+        """The estimate of the module's docstring for a pod (``c``: its ``LoadCounter``; ``m``:
+        ``_PLAIN``), or for every pod at once (``c``: their ``Loads``; ``m``: numpy)."""
+        # what is left of the queue: FIFO work draining since, cut short by first tokens
+        drained = c.backlog - (now - c.backlog_at) * rate
+        queued = m.maximum(m.minimum(drained, c.sent_work - c.done_work), 0.0)  # 0 with none queued
+        uncached = prompt - cached
+        work = queued + m.maximum(uncached, 1) + c.foreign_waiting * mean_work
+        over = m.maximum(uncached - c.room, 0.0)  # the in-use tokens its new ones push out
+        copy = self.copy_weight * (best_cached - cached) + self.evict_weight * m.minimum(over, uncached)
+        decoding = c.in_flight - c.prefilling + c.foreign_running
+        return (work + copy + (1 + work // self.batch_tokens) * (self.step_tokens + decoding * self.decode_tokens)) * scale
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Scores:
         estimates = self.estimates(cycle, endpoints)
-        best = min(estimates, default=0.0)
-        return Scores(endpoints, [best / est if est > 0 else 1.0 for est in estimates])
+        if isinstance(estimates, list):
+            best = min(estimates, default=0.0)
+            return Scores(endpoints, [best / est if est > 0 else 1.0 for est in estimates])
+        best = estimates.min(initial=np.inf)
+        if (estimates > 0.0).all():  # always, but for a config of zero costs
+            return Scores(endpoints, best / estimates)
+        return Scores(endpoints, np.divide(best, estimates, out=np.ones_like(estimates), where=estimates > 0.0))

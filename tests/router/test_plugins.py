@@ -85,6 +85,21 @@ def test_filters(type_name, params, views, kw, kept) -> None:  # type: ignore[no
     assert ids(plugin(type_name, **params).filter(cycle(**kw), views)) == kept
 
 
+def test_the_static_filters_answer_the_same_list_once_and_a_new_list_anew() -> None:
+    # the model and health filters remember their answer for the pool's list of views, which is
+    # replaced (never changed in place) when a scrape or the pod set changes
+    models, health = plugin("model-filter"), plugin("healthy-filter")
+    before = [view(2, models=frozenset({"m"})), view(3, models=frozenset({"x"}))]
+    assert ids(models.filter(cycle(model="m"), before)) == ["2"]
+    assert ids(models.filter(cycle(model="x"), before)) == ["3"]
+    assert models.filter(cycle(model="m"), before) is models.filter(cycle(model="m"), before)
+    after = [view(2, models=frozenset({"x"})), view(3, models=frozenset({"x"}))]  # pod 2 now serves x
+    assert ids(models.filter(cycle(model="m"), after)) == []
+    assert ids(models.filter(cycle(model="x"), after)) == ["2", "3"]
+    assert health.filter(cycle(), before) is before  # all healthy: the list itself
+    assert ids(health.filter(cycle(), [view(2), view(3, healthy=False)])) == ["2"]
+
+
 def test_saturation_sheds_when_all_are_over() -> None:
     with pytest.raises(RateLimitError) as info:
         plugin("saturation-filter", queueLimit=1, retryAfterSeconds=2).filter(cycle(), [view(2, waiting=3)])

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvflow.endpoints import Endpoint
 from kvflow.router.framework import Cycle
+from kvflow.router.load import Loads
 from kvflow.router.model import EndpointView, EngineMetrics, LoadCounter, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.plugins.ttft import pool_speed
@@ -139,6 +140,11 @@ def test_a_large_pools_speed_is_the_median_of_a_sample_spread_over_it() -> None:
     speeds = [0.0 if i % 2 else 0.01 if i % 7 == 0 else 0.001 for i in range(1000)]
     views = [EndpointView(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000), EngineMetrics(),
                           counter=LoadCounter(seconds_per_token=s)) for i, s in enumerate(speeds)]
-    assert pool_speed(views) == 0.001
-    assert pool_speed(views[1::2]) == 0.0  # nobody observed
-    assert pool_speed(views[:4]) == statistics.median([0.01, 0.001])
+    def speed(of: list[EndpointView]) -> float:
+        speeds = pool_speed([ep.counter.seconds_per_token for ep in of])
+        assert pool_speed(Loads(of).seconds_per_token) == speeds  # the same from a column
+        return speeds
+
+    assert speed(views) == 0.001
+    assert speed(views[1::2]) == 0.0  # nobody observed
+    assert speed(views[:4]) == statistics.median([0.01, 0.001])
