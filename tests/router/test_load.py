@@ -13,7 +13,7 @@ import pytest
 
 from kvflow.endpoints import Endpoint
 from kvflow.router.framework import Cycle
-from kvflow.router.load import FIELDS, TABLE, VECTOR_MIN, LoadCounter, Loads
+from kvflow.router.load import FIELDS, TABLE, VECTOR_MIN, LoadCounter, Loads, LoadTable
 from kvflow.router.model import EndpointView, EngineMetrics, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
@@ -33,14 +33,17 @@ def test_a_counter_starts_at_the_defaults_and_reads_back_what_it_was_given() -> 
     assert counter.backlog == 12.5
 
 
-def test_a_collected_counters_row_is_reused_from_the_defaults() -> None:
+def test_a_collected_counter_gives_its_row_back_and_a_row_handed_out_starts_from_the_defaults() -> None:
     counter = LoadCounter(7, backlog=3.0)
     row = counter.row
     del counter
     gc.collect()
-    again = LoadCounter()
-    assert again.row == row
-    assert again.in_flight == 0 and again.backlog == 0.0
+    assert row in TABLE._free
+    table = LoadTable([0.0, 5.0], size=2)
+    first = table.allocate()
+    table.matrix[:, first] = [1.0, 2.0]
+    table.release(first)
+    assert table.allocate() == first and table.matrix[:, first].tolist() == [0.0, 5.0]
 
 
 def test_the_table_grows_and_keeps_every_counters_numbers() -> None:
