@@ -132,6 +132,10 @@ class LoadCounter:
         except AttributeError:  # its __init__ failed before the row was taken
             pass
 
+    def __reduce__(self) -> Any:
+        # a copy would share the row, and both would give it back: a counter is live state
+        raise TypeError("a LoadCounter cannot be copied or pickled; make a new one")
+
     @property
     def rate(self) -> float:
         """Prefill work the pod gets through per second."""
@@ -234,7 +238,7 @@ class Loads:
         self.endpoints = endpoints
         if values is None:
             of, rows = Loads._rows_of
-            if of is not endpoints:
+            if of is not endpoints or len(rows) != len(endpoints):
                 rows = [ep.counter.row for ep in endpoints]
                 Loads._rows_of = (endpoints, rows)
             values = TABLE.matrix.take(rows, 1)

@@ -4,6 +4,7 @@ for every pod."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import random
@@ -51,6 +52,11 @@ def test_the_table_grows_and_keeps_every_counters_numbers() -> None:
     assert [c.in_flight for c in counters] == list(range(len(counters)))
     assert [c.backlog for c in counters] == [i / 2 for i in range(len(counters))]
     assert len({c.row for c in counters}) == len(counters)
+
+
+def test_a_counter_is_not_copied_into_a_second_owner_of_its_row() -> None:
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.copy(LoadCounter())
 
 
 def test_unknown_fields_are_refused() -> None:
