@@ -136,8 +136,10 @@ class TtftScorer:
                 if i is not None:  # matches may name pods that are not candidates
                     cached[i] = blocks * bs
             best_cached = cached.max(initial=0.0)
-        mean_work = 0.0  # other routers' waiting requests count at this router's mean work:
-        if any(ep.counter.foreign_waiting for ep in endpoints) if loads is None else loads.foreign_waiting.any():
+        # other routers' waiting requests (several router replicas) count at this router's mean work
+        mean_work = 0.0
+        foreign = loads.foreign_waiting.any() if loads is not None else any(ep.counter.foreign_waiting for ep in endpoints)
+        if foreign:
             sent = sum(ep.counter.sent_requests for ep in endpoints)
             mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
         terms = (cycle.now, rate, prompt, best_cached, mean_work, scale)
