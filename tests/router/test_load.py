@@ -104,9 +104,9 @@ def reference_estimate(c: LoadCounter, *, prompt: int, cached: int, best_cached:
     queued = max(0.0, min(c.backlog - (now - c.backlog_at) * rate, c.sent_work - c.done_work))
     uncached = prompt - cached
     work = queued + max(uncached, 1) + c.foreign_waiting * mean_work
-    copy = copy_weight * (best_cached - cached) + evict_weight * min(max(uncached - c.room, 0.0), uncached)
+    copied = copy_weight * (best_cached - cached) + evict_weight * min(max(uncached - c.room, 0.0), uncached)
     decoding = c.in_flight - c.prefilling + c.foreign_running
-    return work + copy + (1 + work // batch) * (step + decoding * per_decode)
+    return work + copied + (1 + work // batch) * (step + decoding * per_decode)
 
 
 @pytest.mark.parametrize("pods", [5, VECTOR_MIN, 300])
