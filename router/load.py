@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvflow.protocol.vllm_metrics import EngineMetrics
+from kvflow.router.per_list import PerList
 from kvflow.router.working_set import WorkingSet
 
 if TYPE_CHECKING:
@@ -216,6 +217,9 @@ def _allocate() -> int:
     return TABLE.allocate()
 
 
+_rows = PerList(lambda endpoints: [ep.counter.row for ep in endpoints])
+"""The table rows of a list of views (most cycles read the pool's list, until a scrape changes it)."""
+
 VECTOR_MIN = 32
 """From this many candidates on, plugins compute on ``Loads`` columns; below it, pod by pod:
 a numpy operation's fixed cost (~1 us) is more than a few pods' plain Python."""
@@ -230,19 +234,9 @@ class Loads:
 
     __slots__ = ("endpoints", "values")
 
-    _rows_of: tuple[Sequence[EndpointView], list[int]] = ((), [])
-    """The last list of views whose rows were read, and its rows: most cycles read the same list
-    (the pool's, until a scrape or the pod set changes it), so a thousand rows are not read again."""
-
     def __init__(self, endpoints: Sequence[EndpointView], values: np.ndarray | None = None) -> None:
         self.endpoints = endpoints
-        if values is None:
-            of, rows = Loads._rows_of
-            if of is not endpoints or len(rows) != len(endpoints):
-                rows = [ep.counter.row for ep in endpoints]
-                Loads._rows_of = (endpoints, rows)
-            values = TABLE.matrix.take(rows, 1)
-        self.values = values
+        self.values = values if values is not None else TABLE.matrix.take(_rows(endpoints), 1)
         """``values[FIELDS[name], i]``: ``endpoints[i]``'s field."""
 
     def __getattr__(self, name: str) -> np.ndarray:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from kvflow.router.framework import Cycle
 from kvflow.router.model import EndpointView
+from kvflow.router.per_list import PerList
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 
 
@@ -13,11 +14,12 @@ from kvflow.router.plugins.registry import NoParams, PluginContext, register
 class HealthyFilter:
     def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
         self.name = name
-        self._last: tuple[Sequence[EndpointView], Sequence[EndpointView]] | None = None
+        self._healthy = PerList(_healthy)  # health is part of the frozen views
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        # health is part of the frozen views: the same list of them gets the same answer
-        if self._last is None or self._last[0] is not endpoints:
-            healthy = [ep for ep in endpoints if ep.healthy]
-            self._last = (endpoints, endpoints if len(healthy) == len(endpoints) else healthy)
-        return self._last[1]
+        return self._healthy(endpoints)
+
+
+def _healthy(endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
+    healthy = [ep for ep in endpoints if ep.healthy]
+    return endpoints if len(healthy) == len(endpoints) else healthy

@@ -50,8 +50,8 @@ from pydantic import Field
 
 from kvflow.router.framework import Cycle, Scores
 from kvflow.router.load import VECTOR_MIN
-from kvflow.endpoints import EndpointId
 from kvflow.router.model import EndpointView
+from kvflow.router.per_list import PerList
 from kvflow.router.plugins.prefix_cache import precise_matches
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 
@@ -101,16 +101,8 @@ class TtftScorer:
         self.copy_weight = params.copy_weight
         self.evict_weight = params.evict_weight
         self.step_tokens = ctx.step_tokens
-        self._positions_of: tuple[Sequence[EndpointView], dict[EndpointId, int]] = ((), {})
-
-    def _positions(self, endpoints: Sequence[EndpointView]) -> dict[EndpointId, int]:
-        """Each endpoint's place in ``endpoints`` (kept for the last list: most cycles score the
-        same one, the pool's, until a scrape changes it)."""
-        of, found = self._positions_of
-        if of is not endpoints:
-            found = {ep.id: i for i, ep in enumerate(endpoints)}
-            self._positions_of = (endpoints, found)
-        return found
+        self._positions = PerList(lambda endpoints: {ep.id: i for i, ep in enumerate(endpoints)})
+        """Each candidate's place in the list, kept while the same list comes back."""
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> list[float] | np.ndarray:
         """Each pod's estimated time to first token for this request (seconds, or tokens of work),
