@@ -8,10 +8,10 @@ it); a profile's total is the weighted sum; the picker orders the endpoints. A p
 (``pd.py``) decides which profiles run for a request — one, or decode then prefill.
 
 A cycle is synchronous and reads only its ``Cycle`` (the request, its lazily computed block
-hashes, a seeded RNG) and a frozen snapshot of endpoints, so it is deterministic. Both are
-paid for only when used: the RNG is seeded on a picker's first draw (seeding a Mersenne
-Twister costs more than a round-robin decision), and hashes are computed only by plugins that
-declare ``reads_prefixes`` (and by the P/D decider).
+hashes, its seeded random draws) and a frozen snapshot of endpoints, so it is deterministic.
+Both are paid for only when used: tie-break draws are computed one by one from the seed, the
+generator a weighted random pick uses is seeded on its first draw, and hashes are computed only
+by plugins that declare ``reads_prefixes`` (and by the P/D decider).
 """
 
 from __future__ import annotations
@@ -38,20 +38,31 @@ class Cycle:
     request: SchedulingRequest
     hashes: PromptFingerprints
     """The prompt's block keys (``num_blocks``; iterating gives them), computed when first read."""
-    seed: int | random.Random
-    """The tie-break seed; replaced by its generator on the first ``rng`` read."""
+    seed: int
+    """Seeds the cycle's random draws: the same request id gives the same decision."""
     block_size: int
     now: float = 0.0
     """The router's clock when the cycle began (load estimates drain with time)."""
     data: dict[str, Any] = field(default_factory=dict)
     """Scratch space plugins share, e.g. prefix matches (``prefix:<kind>``) for the P/D decider."""
+    _rng: random.Random | None = None
+    _drawn: int = 0
 
     @property
     def rng(self) -> random.Random:
-        """The cycle's generator: the same seed gives the same draws, whichever picker asks."""
-        if not isinstance(self.seed, random.Random):
-            self.seed = random.Random(self.seed)
-        return self.seed
+        """The cycle's generator (a weighted random pick): seeded on first use, since seeding a
+        Mersenne Twister costs more than a small pool's whole decision."""
+        if self._rng is None:
+            self._rng = random.Random(self.seed)
+        return self._rng
+
+    def tie_breaks(self, n: int) -> int:
+        """Reserves the cycle's next ``n`` tie-break draws and returns the first one's number:
+        draw ``k`` is ``tie_break(cycle.seed, k)``, so a second picker in the cycle (a P/D
+        prefill run) draws afresh."""
+        first = self._drawn
+        self._drawn += n
+        return first
 
     @property
     def prompt_tokens(self) -> int:
@@ -212,6 +223,18 @@ class Scores(Mapping[EndpointId, float]):
 
     def __repr__(self) -> str:
         return f"Scores({self._mapping()!r})"
+
+
+_M64 = (1 << 64) - 1
+
+
+def tie_break(seed: int, k: int) -> int:
+    """The ``k``-th tie-break draw of a cycle seeded with ``seed``: 64 random bits (SplitMix64's
+    ``k``-th output, Steele et al. 2014), computed directly rather than by advancing a generator."""
+    z = (seed + (k + 1) * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
 def _clamp(s: float) -> float:

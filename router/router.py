@@ -252,7 +252,6 @@ class Router:
             reads = profile is None or profile.reads_prefixes or may_split
             decided = _Decided(self.fingerprints(request) if reads else None, {})
         hashes = decided.hashes
-        blocks = hashes.all if hashes is not None else None
         learned: list[int] | None = None
         # the approximate index is read for pods that send KV events only by some profiles'
         # plugins: a decision by others teaches it about the pods that send none (~0.5 ms a send)
@@ -261,15 +260,16 @@ class Router:
 
         def learn(endpoint: Endpoint, prefill: bool) -> None:
             nonlocal learned
-            if blocks is not None:
-                learned = learned if learned is not None else blocks()
+            if hashes is not None:
                 now = self._clock()
-                if teach_all or endpoint.id not in self.event_sources:
-                    self.approx.add(endpoint.id, learned)
-                self.speculative.add(endpoint.id, learned, now)
+                if hashes.num_blocks:  # (a prompt shorter than a block teaches nothing)
+                    learned = learned if learned is not None else hashes.all()
+                    if teach_all or endpoint.id not in self.event_sources:
+                        self.approx.add(endpoint.id, learned)
+                    self.speculative.add(endpoint.id, learned, now)
                 counter = self.datastore.counter(endpoint.id)
-                if counter is not None and hashes is not None:
-                    counter.touched(hashes.array, now)
+                if counter is not None:
+                    counter.touched(hashes.array if hashes.num_blocks else (), now)
             if not prefill:
                 for hook in self._hooks:
                     hook.request_started(request, _served_by(result, endpoint))

@@ -42,11 +42,12 @@ class WorkingSet:
 
     def touch(self, fingerprints: np.ndarray | Sequence[int], now: float) -> None:
         """A request that reads or stores these prompt blocks was sent to the pod at ``now``."""
-        keys = np.asarray(fingerprints, dtype=np.uint64)
-        touched = self._touched
-        for key in keys[(keys & self._mask) == 0].tolist():
-            touched[key] = now
-            touched.move_to_end(key)
+        if len(fingerprints):
+            keys = np.asarray(fingerprints, dtype=np.uint64)
+            touched = self._touched
+            for key in keys[(keys & self._mask) == 0].tolist():
+                touched[key] = now
+                touched.move_to_end(key)
         self.expire(now)
 
     def expire(self, now: float) -> None:

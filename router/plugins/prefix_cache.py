@@ -35,9 +35,11 @@ def prefix_matches(
     key = f"prefix:{kind}"
     found = cycle.data.get(key)
     if found is None:
-        found = index.match(cycle.hashes)
-        if speculative:
-            speculative.extend(found, cycle.hashes.all())
+        found = {}
+        if cycle.hashes.num_blocks:  # a prompt shorter than a block has nothing to match
+            found = index.match(cycle.hashes)
+            if speculative:
+                speculative.extend(found, cycle.hashes.all())
         cycle.data[key] = found
     return found
 

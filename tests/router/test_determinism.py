@@ -5,7 +5,9 @@ scraped with uneven load: every pick, tie-break and fallback order is recorded a
 octets of ``targets`` (``>N``: the prefill pod). The sequences were recorded with the router
 that seeded a new ``random.Random`` per decision, rebuilt its snapshot on every request and
 hashed every prompt; they must not change when the router gets cheaper. The ``default``
-profile's sequences were re-recorded when it became the estimated-TTFT profile (issue 10).
+profile's sequences were re-recorded when it became the estimated-TTFT profile (issue 10), and
+the max-score picker's when its tie-breaks became draws computed from the seed (SplitMix64)
+instead of a Mersenne Twister seeded per decision.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ CONFIG = {
 }
 
 PREFIX = (
-    "762 524 624 426 726 526 625 427 724 524 624 427 724 524 627 427 724 524 627 425 "
-    "725 526 625 426 725 526 624 425 725 527 625 427 725 526 625 425 725 527 624 426"
+    "725 245 645 542 746 245 642 546 745 247 642 546 745 246 647 546 745 245 647 542 746 247 "
+    "645 546 746 245 645 547 745 245 645 547 746 246 645 542 746 246 647 546"
 )
 DEFAULT = (
-    "762 524 627 742 245 542 652 725 274 546 624 742 274 524 627 726 274 542 675 725 "
-    "725 526 652 764 725 562 642 756 725 527 654 724 725 567 654 745 725 576 647 746"
+    "725 245 645 547 742 274 624 567 752 247 627 567 754 264 647 562 745 245 674 542 762 247 "
+    "652 546 764 254 654 576 756 245 657 547 765 265 652 524 762 265 647 546"
 )
 DEFAULT_PD = (
-    "762 524 627>3 674>2 726 567 657 627 724 546 624 647 742 524 627 627 724 542 675 625 "
-    "752 526 652 647 752 562 642 652 756 527 654 672 754 567 654 645 756 576 647 645"
+    "725 245 645>2 546>3 764 257 625 567 752 247 627 567 754 264 647 562 745 245 674 542 762 "
+    "247 652 546 764 254 654 576 756 245 657 547 765 265 652 524 762 265 647 546"
 )
 EXPECTED = {
     ("round-robin", False): (
@@ -45,8 +47,8 @@ EXPECTED = {
         "456 567 672 723 234 345 456 567 672 723 234 345 456 567 672 723 234 345 456 567"
     ),
     ("least-load", False): (
-        "762 524 624 423 723 253 563 643 743 423 253 563 763 463 623 253 753 453 563 263 "
-        "763 643 543 423 723 623 253 543 743 463 623 253 753 543 463 263 673 753 453 523"
+        "725 245 645 543 473 273 673 753 543 423 623 723 523 423 623 273 573 473 673 273 753 453 "
+        "653 253 753 543 463 623 273 573 743 463 623 523 273 473 673 573 723 423"
     ),
     ("prefix-approx", False): PREFIX,
     ("prefix-precise", False): PREFIX,
@@ -132,11 +134,12 @@ def test_started_and_finished_do_not_rebuild_the_snapshot() -> None:
 
 
 def test_max_score_picker_ranks_as_the_plain_sort_would() -> None:
-    """The picker decodes tie-break draws lazily; the reference draws one per endpoint."""
+    """The picker ranks only the endpoints that can reach its top; the reference ranks them all
+    by (score to 9 decimals, the cycle's tie-break draw, position)."""
     import heapq
     import random
 
-    from kvflow.router.framework import Cycle
+    from kvflow.router.framework import Cycle, tie_break
     from kvflow.router.fingerprint import Fingerprinter
     from kvflow.router.model import EndpointView
     from kvflow.router.plugins import PluginContext, build
@@ -154,7 +157,6 @@ def test_max_score_picker_ranks_as_the_plain_sort_would() -> None:
         picker = build("p", "max-score-picker", {"maxTargets": k}, PluginContext(ApproxPrefixIndex(), PrefixIndex()))[1]
         cycle = Cycle(request, Fingerprinter(16).prompt([]), trial, 16)
         got = [v.id for v in picker.pick(cycle, scored)]
-        ref_rng = random.Random(trial)
-        keyed = [(round(s, 9), ref_rng.random(), i) for i, s in enumerate(scores)]
+        keyed = [(round(s, 9), tie_break(trial, i), i) for i, s in enumerate(scores)]
         assert got == [views[i].id for _, _, i in heapq.nlargest(k, keyed)]
-        assert cycle.rng.random() == ref_rng.random()  # later draws (a P/D prefill run) unchanged
+        assert cycle.tie_breaks(1) == n  # a later picker in the cycle (a P/D prefill run) draws afresh

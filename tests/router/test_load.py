@@ -91,7 +91,7 @@ def test_a_filter_that_narrows_the_candidates_hands_the_scorers_their_loads() ->
     ctx = PluginContext(ApproxPrefixIndex(), PrefixIndex(), None, set(), 256)
     saturation = build("saturation", "saturation-filter", {}, ctx)[1]
     cycle = Cycle(SchedulingRequest("r", "m", [1] * 64), PrefixIndex().fingerprinter.prompt([1] * 64),
-                  random.Random(0), 16)
+                  0, 16)
     kept = saturation.filter(cycle, candidates)
     assert [ep.counter for ep in kept] == idle
     assert cycle.loads(kept).in_flight.tolist() == [i % 3 for i in range(VECTOR_MIN)]
@@ -135,7 +135,7 @@ def test_the_estimate_pod_by_pod_or_on_whole_columns_is_the_formula_for_every_po
         precise.add(ep.id, blocks[:n])
     ctx = PluginContext(ApproxPrefixIndex(), precise, None, {ep.id for ep in candidates}, 256)
     scorer = build("ttft", "ttft-scorer", {}, ctx)[1]
-    cycle = Cycle(SchedulingRequest("r", "m", prompt), precise.fingerprinter.prompt(prompt), random.Random(0), 16,
+    cycle = Cycle(SchedulingRequest("r", "m", prompt), precise.fingerprinter.prompt(prompt), 0, 16,
                   now=1.5)
     sent = sum(c.sent_requests for c in counters)
     mean_work = sum(c.sent_work for c in counters) / sent

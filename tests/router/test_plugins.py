@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+from collections import Counter
 
 import pytest
 
@@ -39,7 +39,7 @@ def cycle(
     tokens: int = 64, *, lora: str | None = None, headers: dict[str, str] | None = None, model: str = "m"
 ) -> Cycle:
     request = SchedulingRequest("r", model, list(range(tokens)), headers or {}, lora)
-    return Cycle(request, Fingerprinter(16).prompt(request.token_ids), random.Random(0), 16)
+    return Cycle(request, Fingerprinter(16).prompt(request.token_ids), 0, 16)
 
 
 def plugin(type_name: str, **params: object):  # type: ignore[no-untyped-def]
@@ -172,6 +172,14 @@ def test_max_score_orders_and_breaks_ties_deterministically() -> None:
     scored = [(view(2), 1.0), (view(3), 3.0), (view(4), 3.0), (view(5), 0.5)]
     first = ids(picker.pick(cycle(), scored))
     assert sorted(first) == ["3", "4"] and ids(picker.pick(cycle(), scored)) == first
+
+
+def test_max_score_breaks_ties_evenly_over_seeds() -> None:
+    picker = plugin("max-score-picker", maxTargets=1)
+    scored = [(view(i), 1.0) for i in range(2, 6)]
+    base = cycle()
+    wins = Counter(ids(picker.pick(Cycle(base.request, base.hashes, seed, 16), scored))[0] for seed in range(4000))
+    assert sorted(wins) == ["2", "3", "4", "5"] and all(850 < n < 1150 for n in wins.values())
 
 
 def test_weighted_random_never_picks_zero_before_positive() -> None:

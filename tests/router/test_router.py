@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvflow.errors import NoCapacityError, RateLimitError
@@ -180,3 +182,20 @@ def test_an_unknown_profile_is_the_clients_mistake_not_a_capacity_problem() -> N
     with pytest.raises(InvalidRequestError) as raised:
         router.schedule(req("a", profile="no-such-profile"))
     assert raised.value.status == 400 and "no-such-profile" in raised.value.message
+
+
+def test_a_prompt_shorter_than_a_block_matches_and_teaches_nothing_but_ages_the_working_set() -> None:
+    clock = [0.0]
+    router = Router(load_config(None), PODS, clock=lambda: clock[0])
+    long = router.schedule(req("long"))
+    router.request_started(req("long"), long)
+    pod = router.datastore.counter(long.targets[0].id)
+    assert pod is not None and pod.working_set.tokens > 0 and len(router.speculative) == 32
+    taught = len(router.approx)
+    clock[0] = pod.working_set.window + 1.0  # the long prompt's blocks have left both windows
+    short = req("short", [7] * 15)
+    result = router.schedule(short)
+    assert result.cached_tokens == 0
+    router.request_started(short, replace(result, targets=long.targets))  # sent where the long one went
+    assert (len(router.approx), len(router.speculative)) == (taught, 0)
+    assert pod.working_set.tokens == 0 and pod.in_flight == 2

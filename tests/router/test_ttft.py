@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 
 import numpy as np
@@ -63,7 +62,7 @@ def run(
         counter.observe(metrics)  # as a scrape taken before this router sent anything would
         views.append(EndpointView(ep, metrics, counter=counter))
     request = SchedulingRequest("r", "m", PROMPT)
-    cycle = Cycle(request, precise.fingerprinter.prompt(PROMPT), random.Random(0), 16, now=0.0)
+    cycle = Cycle(request, precise.fingerprinter.prompt(PROMPT), 0, 16, now=0.0)
     scores = scorer.score(cycle, views)
     assert max(scores.values()) == 1.0
     return dict(enumerate(scorer.estimates(cycle, views)))
