@@ -18,11 +18,11 @@ them the router learns its pods' speed on a path with no latency, which no real 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 
 from kvbench import oracle
-from kvbench.replay_kvflow import SECRET, KvflowReplay
+from kvbench.replay_kvflow import KvflowReplay, secret
+from kvbench.runner import SIM_PROFILE, saturation
 from kvbench.workloads import WORKLOADS, Workload
 
 from kvflow.sim.profiles import get_profile
@@ -30,18 +30,12 @@ from kvflow.sim.profiles import get_profile
 DURATION = 20.0
 
 
-def secret(i: int) -> bytes:
-    """The ``i``-th fingerprint key: the replay's own first, then keys drawn from ``i``."""
-    return SECRET if i == 0 else hashlib.sha256(f"kvflow-replay-{i}".encode()).digest()
-
-
 def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duration: float = DURATION) -> list[float]:
     """kvflow's mean TTFT over the oracle's, per (seed, key)."""
-    profile = get_profile("h100-llama8b")
+    profile = get_profile(SIM_PROFILE)
     out = []
     for seed in seeds:
-        rate = round(oracle.saturation_rate(lambda r, d, s=seed: w.trace(r, d, s), duration, pods=w.decode_pods,
-                                            profile=profile, num_blocks=w.num_blocks), 1)
+        rate = saturation(w, seed, duration)
         trace = w.trace(rate, duration, seed)
         prepared = oracle.prepare(trace)
         best, _ = oracle.oracle_replay(trace, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,

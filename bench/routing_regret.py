@@ -13,12 +13,11 @@ key decides which blocks its working set samples), i.e. another, equally likely,
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 
 from kvbench import oracle
 from kvbench.regret import RegretReplay, report, summarise
-from kvbench.replay_kvflow import SECRET
+from kvbench.replay_kvflow import secret
 from kvbench.workloads import WORKLOADS
 
 from kvflow.sim.profiles import get_profile
@@ -32,14 +31,14 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--weight", type=float, default=1.0, help="the clairvoyant's capacity weight")
     p.add_argument("--threshold-ms", type=float, default=2.0, help="a decision losing more than this counts")
-    p.add_argument("--secret", type=int, default=0, help="another fingerprint key for the router (0: the replay's)")
+    p.add_argument("--secret", type=int, default=0,
+                   help="another fingerprint key for the router (0: the replay's; replay_policy.py's --secrets)")
     args = p.parse_args()
 
     workload = WORKLOADS[args.workload]
     trace = workload.trace(args.rate, args.duration, args.seed)
     profile = get_profile("h100-llama8b")
-    secret = hashlib.sha256(f"kvflow-regret-{args.secret}".encode()).digest() if args.secret else SECRET
-    policy = RegretReplay(workload.decode_pods, workload.num_blocks, weight=args.weight, secret=secret)
+    policy = RegretReplay(workload.decode_pods, workload.num_blocks, weight=args.weight, secret=secret(args.secret))
     result = oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile, num_blocks=workload.num_blocks)
     best, weight = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile, num_blocks=workload.num_blocks)
     kvflow_ms = statistics.fmean(t for t in result.ttft if t == t) * 1e3

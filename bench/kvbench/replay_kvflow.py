@@ -13,6 +13,7 @@ machine, and it is deterministic (a tuning loop runs in seconds).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +36,12 @@ SECRET = b"kvflow-replay".ljust(32, b"\0")
 """The router's fingerprint key in the replay: fixed, so a replay repeats exactly. (The key
 decides which blocks the working set samples, so another key is another, equally likely, run;
 a live router draws its own.)"""
+
+
+def secret(i: int) -> bytes:
+    """The ``i``-th fingerprint key of the replay: ``SECRET`` first, then keys drawn from ``i``
+    (``bench/replay_policy.py --secrets``, ``bench/routing_regret.py --secret``)."""
+    return SECRET if i == 0 else hashlib.sha256(f"kvflow-replay-{i}".encode()).digest()
 
 
 class KvflowReplay:

@@ -64,13 +64,17 @@ def plan_rates(workload: Workload, opts: Options) -> tuple[float, tuple[float, .
     search (NaN)."""
     if opts.rates:
         return math.nan, tuple(sorted(opts.rates))
-    profile = get_profile(SIM_PROFILE)
+    sat = saturation(workload, opts.seed, opts.duration)
+    return sat, tuple(round(sat * f, 1) for f in opts.factors)
+
+
+def saturation(workload: Workload, seed: int, duration: float) -> float:
+    """Round-robin's saturation rate on the replay of the workload's trace, to 0.1 request/s."""
     # P/D: prefill is the bottleneck, so round-robin over as many aggregated pods as prefill pods
     pods = workload.prefill_pods or workload.decode_pods
-    sat = oracle.saturation_rate(lambda r, d: workload.trace(r, d, opts.seed), opts.duration, pods=pods,
-                                 profile=profile, num_blocks=workload.num_blocks)
-    sat = round(sat, 1)
-    return sat, tuple(round(sat * f, 1) for f in opts.factors)
+    sat = oracle.saturation_rate(lambda r, d: workload.trace(r, d, seed), duration, pods=pods,
+                                 profile=get_profile(SIM_PROFILE), num_blocks=workload.num_blocks)
+    return round(sat, 1)
 
 
 def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
