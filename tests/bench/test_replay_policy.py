@@ -8,7 +8,8 @@ import math
 import pytest
 from kvbench import oracle
 from kvbench.workloads import SMOKE
-from replay_policy import parse_lag, ratios, secret
+from kvbench.replay_kvflow import secret
+from replay_policy import parse_lag, ratios
 
 
 def test_one_ratio_per_trace_and_key_each_a_repeatable_replay() -> None:

@@ -1,13 +1,15 @@
 """The built-in tokenizer is deterministic across processes, and prompts tokenise like vLLM."""
 
+import random
 import subprocess
 import sys
+from pathlib import Path
 
 import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from kvflow.tokenizer import BuiltinTokenizer, load_tokenizer, prompt_token_ids
+from kvflow.tokenizer import BuiltinTokenizer, HFTokenizer, load_tokenizer, prompt_token_ids, split_at_spaces
 
 
 def test_same_text_same_ids_in_another_process():
@@ -71,3 +73,55 @@ def test_builtin_fast_path_gives_the_same_pieces_as_the_regex(text: str) -> None
         assert tok.encode(text, add_special_tokens=False) == expected  # every piece (and chunk) remembered
         head = text[: len(text) // 2]  # a prefix of a text seen before reuses its chunks
         assert tok.encode(head, add_special_tokens=False) == [reference._piece_id(p) for p in _PIECE.findall(head)]
+
+
+TINY_LLAMA = Path(__file__).resolve().parents[1] / "golden" / "tiny-llama-tokenizer"
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.text(alphabet=st.sampled_from(["a", "b", "é", "1", " ", ".", "\n", "\t", "中"]), max_size=60),
+                  st.integers(min_value=1, max_value=8))
+def test_a_text_is_cut_only_before_a_single_space_between_words(text: str, size: int) -> None:
+    pieces = split_at_spaces(text, size)
+    assert "".join(pieces) == text and (all(pieces) or text == "")
+    for left, right in zip(pieces, pieces[1:]):
+        assert len(left) >= size
+        assert right[0] == " " and not left[-1].isspace() and len(right) > 1 and not right[1].isspace()
+
+
+def test_a_long_text_tokenizes_in_remembered_chunks_to_the_whole_texts_ids() -> None:
+    tok = load_tokenizer(TINY_LLAMA)
+    assert isinstance(tok, HFTokenizer) and tok.chunked
+    rng = random.Random(3)
+    words = ["the", "cache", "prefix", "w123", "Don't", "3.14", "naïve", "日本語", "<|im_start|>", "(x)", "a\nb"]
+    system = " ".join(rng.choice(words) for _ in range(2000))
+    for turn in range(3):
+        text = f"{system} {' '.join(rng.choice(words) for _ in range(300))}"
+        for special in (False, True):
+            assert tok.encode(text, add_special_tokens=special) == tok._tok.encode(text, add_special_tokens=special).ids
+        if turn == 0:
+            remembered = len(tok._chunks)
+    assert remembered >= 4 and len(tok._chunks) < 3 * remembered  # later turns added only their own chunks
+
+
+def test_chunks_are_not_used_where_an_added_token_takes_the_spaces_around_it(tmp_path: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    rust = Tokenizer.from_file(str(TINY_LLAMA / "tokenizer.json"))
+    rust.add_special_tokens([AddedToken("<mask>", rstrip=True)])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    assert not load_tokenizer(tmp_path).chunked
+
+
+def test_chunks_are_not_used_where_the_normalizer_prepends_to_every_text(tmp_path: Path) -> None:
+    """Llama 2's converted tokenizers prepend "▁" to a text and replace its spaces: a chunk would
+    get one more "▁" than the same text inside the whole. The check on the sample text finds it."""
+    from tokenizers import Tokenizer, normalizers
+
+    rust = Tokenizer.from_file(str(TINY_LLAMA / "tokenizer.json"))
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert not tok.chunked
+    text = "word " * 2000
+    assert tok.encode(text) == rust.encode(text).ids
