@@ -229,7 +229,7 @@ class Gateway:
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
                      lora: str | None) -> None:
         router = pool.router
-        tokens = await tokens_off_loop(router.tokenize, body, len(request.body))
+        tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
         sreq = scheduling_request(body, request.headers, tokens, request_id=ex.request_id,
                                   names=self.pool_names[pool.model], max_prompt_tokens=router.max_prompt_tokens)
         await router.prepare(sreq)

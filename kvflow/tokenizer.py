@@ -52,6 +52,9 @@ class Tokenizer(Protocol):
     chat_template: str
     special_tokens: Mapping[str, str]
     """Template variables such as ``bos_token``, as transformers passes them."""
+    offload_bytes: int
+    """Request bodies at least this large are tokenized in a worker thread (the gateway's
+    ``tokens_off_loop``), so the event loop serves other requests meanwhile."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -171,6 +174,9 @@ class BuiltinTokenizer:
     chat_template = CHATML
     special_tokens: Mapping[str, str] = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     max_chars_per_token = 1 << 20  # pieces are unbounded words: no character bound applies
+    offload_bytes = 64 * 1024
+    """Pure Python holds the GIL: a thread only cuts a long prompt's work into the interpreter's
+    switch intervals, which pays only for prompts too long to tokenize in one go."""
 
     MAX_KNOWN = 1 << 16
     """Pieces whose ids are remembered (a plain dict: a lookup costs a tenth of a BLAKE2b)."""
@@ -274,6 +280,9 @@ class HFTokenizer:
 
     CHUNK = 2048
     """Characters a remembered chunk spans at least (texts shorter than two are not cut)."""
+    offload_bytes = 4096
+    """The tokenizer's Rust code encodes outside the GIL (``encode_batch``; ``encode`` holds it),
+    so in a worker thread a new text's milliseconds leave the event loop free."""
     MAX_CHUNKS = 4096
     """Chunks remembered, as 4-byte ids (~40 MB at most for 2 KB chunks of short tokens)."""
 
@@ -298,13 +307,13 @@ class HFTokenizer:
         """Long texts are tokenized in remembered chunks (the check passed)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        if not self.chunked or len(text) < 2 * self.CHUNK or (add_special_tokens and self._around is None):
-            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        ids = self._chunked_ids(text)
-        if add_special_tokens and self._around is not None:
-            prefix, suffix = self._around
-            return [*prefix, *ids, *suffix]
-        return ids
+        if self.chunked and len(text) >= 2 * self.CHUNK:
+            if not add_special_tokens:
+                return self._chunked_ids(text)
+            if self._around is not None:
+                prefix, suffix = self._around
+                return [*prefix, *self._chunked_ids(text), *suffix]
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)  # (no GIL)
 
     def _chunked_ids(self, text: str) -> list[int]:
         pieces = split_at_spaces(text, self.CHUNK)

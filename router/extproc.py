@@ -165,7 +165,7 @@ def parse_body(body: bytes) -> dict[str, Any]:
 async def scheduling_request(router: Router, headers: dict[str, str], body: bytes) -> SchedulingRequest:
     """The request as the gateway would build it (``kvflow.router.request``), for the same routing."""
     parsed = parse_body(body)
-    tokens = await tokens_off_loop(router.tokenize, parsed, len(body))
+    tokens = await tokens_off_loop(router.tokenize, parsed, len(body), router.offload_bytes)
     return build_request(
         parsed, headers, tokens, request_id=headers.get("x-request-id") or uuid.uuid4().hex,
         names=router.names, max_prompt_tokens=router.max_prompt_tokens,

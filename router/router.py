@@ -189,6 +189,11 @@ class Router:
     def tokenize(self, body: Mapping[str, Any]) -> list[int]:
         return prompt_token_ids(self.tokenizer, body)
 
+    @property
+    def offload_bytes(self) -> int:
+        """Request bodies this large are tokenized in a worker thread (``tokens_off_loop``)."""
+        return self.tokenizer.offload_bytes
+
     async def prepare(self, request: SchedulingRequest) -> None:
         """Fingerprint a long prompt in a worker thread, so ``schedule`` finds them computed and
         the event loop is never held for long by one request (the thread yields the GIL to it)."""

@@ -47,6 +47,7 @@ class ScriptedRouter:
         return SchedulingResult("default", targets, self.prefill, 0)
 
     max_prompt_tokens: int = 1 << 20
+    offload_bytes: int = 1 << 16
 
     async def prepare(self, request: SchedulingRequest) -> None: ...
 

@@ -199,3 +199,31 @@ def test_a_prompt_shorter_than_a_block_matches_and_teaches_nothing_but_ages_the_
     router.request_started(short, replace(result, targets=long.targets))  # sent where the long one went
     assert (len(router.approx), len(router.speculative)) == (taught, 0)
     assert pod.working_set.tokens == 0 and pod.in_flight == 2
+
+
+async def test_a_body_as_large_as_the_tokenizers_threshold_is_tokenized_in_a_worker_thread() -> None:
+    import threading
+
+    from kvflow.router.request import tokens_off_loop
+
+    router = Router(load_config(None), PODS)
+    assert router.offload_bytes == 64 * 1024  # the built-in tokenizer holds the GIL: only huge prompts
+    threads: list[int] = []
+
+    def tokenize(body: dict[str, str]) -> list[int]:
+        threads.append(threading.get_ident())
+        return router.tokenize(body)
+
+    body = {"prompt": "hello world"}
+    assert await tokens_off_loop(tokenize, body, 4095, 4096) == await tokens_off_loop(tokenize, body, 4096, 4096)
+    assert threads[0] == threading.get_ident() != threads[1]
+
+
+def test_a_hugging_face_tokenizer_is_given_bodies_of_4_kb_and_more_off_the_loop() -> None:
+    from pathlib import Path
+
+    from kvflow.tokenizer import load_tokenizer
+
+    folder = Path(__file__).resolve().parents[1] / "golden" / "tiny-llama-tokenizer"
+    router = Router(load_config(None), PODS, tokenizer=load_tokenizer(folder))
+    assert router.offload_bytes == 4096  # its Rust code encodes outside the GIL
