@@ -280,11 +280,11 @@ class HFTokenizer:
 
     CHUNK = 2048
     """Characters a remembered chunk spans at least (texts shorter than two are not cut)."""
+    MAX_CHUNKS = 4096
+    """Chunks remembered, as 4-byte ids (~40 MB at most for 2 KB chunks of short tokens)."""
     offload_bytes = 4096
     """The tokenizer's Rust code encodes outside the GIL (``encode_batch``; ``encode`` holds it),
     so in a worker thread a new text's milliseconds leave the event loop free."""
-    MAX_CHUNKS = 4096
-    """Chunks remembered, as 4-byte ids (~40 MB at most for 2 KB chunks of short tokens)."""
 
     def __init__(self, folder: str | Path) -> None:
         from tokenizers import Tokenizer as _RustTokenizer
@@ -313,7 +313,8 @@ class HFTokenizer:
             if self._around is not None:
                 prefix, suffix = self._around
                 return [*prefix, *self._chunked_ids(text), *suffix]
-        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)  # (no GIL)
+        # encode_batch, not encode: it lets go of the GIL while it encodes (see offload_bytes)
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def _chunked_ids(self, text: str) -> list[int]:
         pieces = split_at_spaces(text, self.CHUNK)

@@ -24,8 +24,6 @@ from kvflow.router.model import SchedulingRequest
 from kvflow.routing_headers import PROFILE
 
 LORA_HEADER = "x-lora"
-OFFLOAD_BYTES = 64 * 1024
-"""Bodies this large are tokenised in a worker thread, unless the tokenizer says otherwise."""
 _MM_PARTS = {"image_url": "url", "input_audio": "data", "video_url": "url", "audio_url": "url"}
 
 
@@ -107,7 +105,7 @@ def multimodal_hashes(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 async def tokens_off_loop(tokenize: Callable[[Mapping[str, Any]], list[int]], body: Mapping[str, Any],
-                          size: int, offload_bytes: int = OFFLOAD_BYTES) -> list[int]:
+                          size: int, offload_bytes: int) -> list[int]:
     """``tokenize(body)``, in a worker thread when the body is ``size`` >= ``offload_bytes``
     bytes (the tokenizer's own threshold, ``Tokenizer.offload_bytes``)."""
     if size >= offload_bytes:
