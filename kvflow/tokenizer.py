@@ -23,7 +23,9 @@ import itertools
 import json
 import random
 import re
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -281,7 +283,8 @@ class HFTokenizer:
     CHUNK = 2048
     """Characters a remembered chunk spans at least (texts shorter than two are not cut)."""
     MAX_CHUNKS = 4096
-    """Chunks remembered, as 4-byte ids (~40 MB at most for 2 KB chunks of short tokens)."""
+    """Chunks remembered, least recently used forgotten first, as 4-byte ids (~40 MB at most for
+    2 KB chunks of short tokens)."""
     offload_bytes = 4096
     """The tokenizer's Rust code encodes outside the GIL (``encode_batch``; ``encode`` holds it),
     so in a worker thread a new text's milliseconds leave the event loop free."""
@@ -301,7 +304,8 @@ class HFTokenizer:
                                if (text := _token_text(config.get(k)))}
         eos = self._tok.token_to_id(self.special_tokens.get("eos_token", ""))
         self.eos_token_id = eos if eos is not None else 0
-        self._chunks: dict[str, array[int]] = {}
+        self._chunks: OrderedDict[str, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
         self._around = _specials_around(self._tok)
         self.chunked = chunks_are_exact(self._tok)
         """Long texts are tokenized in remembered chunks (the check passed)."""
@@ -319,13 +323,18 @@ class HFTokenizer:
     def _chunked_ids(self, text: str) -> list[int]:
         pieces = split_at_spaces(text, self.CHUNK)
         known = self._chunks
-        found = [known.get(piece) for piece in pieces]
+        with self._lock:  # worker threads tokenize at once (the gateway's tokens_off_loop)
+            found = [known.get(piece) for piece in pieces]
+            for piece, hit in zip(pieces, found):
+                if hit is not None:
+                    known.move_to_end(piece)  # least recently used first (0.1 us against a chunk's ms)
         missing = list(dict.fromkeys(p for p, f in zip(pieces, found) if f is None))
         if missing:  # one call for all of them: the tokenizer's per-call cost is paid once
             fresh = {p: array("I", e.ids) for p, e in zip(missing, self._tok.encode_batch(missing, add_special_tokens=False))}
-            if len(known) + len(fresh) > self.MAX_CHUNKS:
-                known.clear()  # cheaper than LRU bookkeeping on every hit; a live prefix comes back at once
-            known.update(fresh)
+            with self._lock:
+                known.update(fresh)
+                while len(known) > self.MAX_CHUNKS:
+                    known.popitem(last=False)
             found = [f if f is not None else fresh[p] for p, f in zip(pieces, found)]
         ids: list[int] = []
         for chunk in found:

@@ -125,3 +125,27 @@ def test_chunks_are_not_used_where_the_normalizer_prepends_to_every_text(tmp_pat
     assert not tok.chunked
     text = "word " * 2000
     assert tok.encode(text) == rust.encode(text).ids
+
+
+def test_the_least_recently_used_chunks_are_forgotten_first() -> None:
+    tok = load_tokenizer(TINY_LLAMA)
+    assert isinstance(tok, HFTokenizer)
+    old, dropped, new = "alpha beta gamma delta", "kappa lambda sigma omega", "one two three four five six"
+    chunks = {text: set(split_at_spaces(text, 8)) for text in (old, dropped, new)}
+    tok.CHUNK, tok.MAX_CHUNKS = 8, len(chunks[old]) + len(chunks[new])
+    for text in (old, dropped, old, new):  # ``old`` was used after ``dropped``
+        assert tok.encode(text, add_special_tokens=False) == tok._tok.encode(text, add_special_tokens=False).ids
+    assert set(tok._chunks) == chunks[old] | chunks[new]
+
+
+def test_threads_tokenizing_at_once_get_the_whole_texts_ids() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = load_tokenizer(TINY_LLAMA)
+    assert isinstance(tok, HFTokenizer)
+    tok.MAX_CHUNKS = 8  # chunks are forgotten while other threads read them
+    rng = random.Random(5)
+    texts = [" ".join(f"w{rng.randrange(50)}" for _ in range(rng.randrange(800, 2000))) for _ in range(40)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: tok.encode(t, add_special_tokens=False), texts * 3))
+    assert got == [tok._tok.encode(t, add_special_tokens=False).ids for t in texts * 3]
