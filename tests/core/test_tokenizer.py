@@ -1,4 +1,5 @@
-"""The built-in tokenizer is deterministic across processes, and prompts tokenise like vLLM."""
+"""The built-in tokenizer is deterministic across processes, prompts tokenise like vLLM, and a
+Hugging Face tokenizer's remembered chunks give the whole text's ids."""
 
 import random
 import subprocess
@@ -10,6 +11,8 @@ import pytest
 from hypothesis import strategies as st
 
 from kvflow.tokenizer import BuiltinTokenizer, HFTokenizer, load_tokenizer, prompt_token_ids, split_at_spaces
+
+TINY_LLAMA = Path(__file__).resolve().parents[1] / "golden" / "tiny-llama-tokenizer"
 
 
 def test_same_text_same_ids_in_another_process():
@@ -73,9 +76,6 @@ def test_builtin_fast_path_gives_the_same_pieces_as_the_regex(text: str) -> None
         assert tok.encode(text, add_special_tokens=False) == expected  # every piece (and chunk) remembered
         head = text[: len(text) // 2]  # a prefix of a text seen before reuses its chunks
         assert tok.encode(head, add_special_tokens=False) == [reference._piece_id(p) for p in _PIECE.findall(head)]
-
-
-TINY_LLAMA = Path(__file__).resolve().parents[1] / "golden" / "tiny-llama-tokenizer"
 
 
 @hypothesis.settings(max_examples=300, deadline=None)
