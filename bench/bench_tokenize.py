@@ -25,7 +25,7 @@ Wall time per request (``encode_batch`` may use the tokenizer's own threads) and
 CPU time, mean / median / p90 in ms. The default tokenizer is the tiny Llama's in
 ``tests/golden/tiny-llama-tokenizer`` (a 2,048-token BPE vocabulary: the workloads' ``w123``
 words take about one token per character, several times what an English text takes with a
-128k vocabulary; the ratios are the figures to read). A PNG under ``bench/out/`` plots the means.
+128k vocabulary; the ratios are the figures to read). A PNG under ``bench/out/`` plots both tables.
 
     .venv/bin/python bench/bench_tokenize.py [--workloads a b c] [--tokenizer FOLDER] [--duration 20]
 """
