@@ -210,6 +210,10 @@ def _powers_of(x: int, n: int) -> np.ndarray:
     return np.multiply.accumulate(out, dtype=np.uint64)
 
 
+_NO_BLOCKS = np.zeros(0, np.uint64)
+_NO_BLOCKS.flags.writeable = False
+
+
 class PromptFingerprints:
     """One request's block fingerprints (``Cycle.hashes``): computed on first read, then an
     array the indexes look up all at once. Iterating gives them as ints, block 0 first."""
@@ -235,8 +239,12 @@ class PromptFingerprints:
 
     @property
     def array(self) -> np.ndarray:
-        """The fingerprints as uint64 (InvalidRequestError if a token id is not an int64)."""
+        """The fingerprints as uint64 (InvalidRequestError if a token id is not an int64); a
+        prompt shorter than a block has none, and its tokens are not read."""
         if self._array is None:
+            if not self.num_blocks:
+                self._array = _NO_BLOCKS
+                return self._array
             values = as_int64(self._tokens)
             if values is None:
                 raise InvalidRequestError("prompt token ids must be integers in the int64 range", param="prompt")

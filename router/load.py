@@ -197,7 +197,7 @@ class LoadCounter:
         self.kv_base = metrics.kv_usage - self.tokens_at_scrape * self.kv_per_token
         self._room()
 
-    def touched(self, fingerprints: np.ndarray | Sequence[int], now: float) -> None:
+    def touched(self, fingerprints: np.ndarray, now: float) -> None:
         """A request sent here at ``now`` reads or stores these prompt blocks."""
         self.working_set.touch(fingerprints, now)
         self._room()

@@ -274,7 +274,7 @@ class Router:
                     self.speculative.add(endpoint.id, learned, now)
                 counter = self.datastore.counter(endpoint.id)
                 if counter is not None:
-                    counter.touched(hashes.array if hashes.num_blocks else (), now)
+                    counter.touched(hashes.array, now)
             if not prefill:
                 for hook in self._hooks:
                     hook.request_started(request, _served_by(result, endpoint))
