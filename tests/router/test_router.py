@@ -186,11 +186,13 @@ def test_an_unknown_profile_is_the_clients_mistake_not_a_capacity_problem() -> N
 
 def test_a_prompt_shorter_than_a_block_matches_and_teaches_nothing_but_ages_the_working_set() -> None:
     clock = [0.0]
-    router = Router(load_config(None), PODS, clock=lambda: clock[0])
+    # a fixed fingerprint key, under which 4 of the long prompt's 32 blocks are sampled: the
+    # working set samples 1 block in 16 by fingerprint, so a random key samples none 1 time in 8
+    router = Router(load_config(None), PODS, clock=lambda: clock[0], secret=bytes([1]) * 32)
     long = router.schedule(req("long"))
     router.request_started(req("long"), long)
     pod = router.datastore.counter(long.targets[0].id)
-    assert pod is not None and pod.working_set.tokens > 0 and len(router.speculative) == 32
+    assert pod is not None and pod.working_set.tokens == 4 * 256 and len(router.speculative) == 32
     taught = len(router.approx)
     clock[0] = pod.working_set.window + 1.0  # the long prompt's blocks have left both windows
     short = req("short", [7] * 15)
