@@ -16,7 +16,9 @@ the GPU's steps. The simulator keeps that separation in time rather than in a se
   only what had arrived by its simulated start.
 * ``poll()`` advances the timeline to the clock's now by at most one step; the driver (``_run``)
   sleeps until the in-flight step's end and polls again. After a stall it wakes late and replays
-  the missed steps back to back, one per loop turn, at their simulated times.
+  the missed steps back to back, one per loop turn, at their simulated times. When a step ends
+  the driver lets its requests write their tokens before it publishes the step's KV events and
+  plans the next step (vLLM's output thread sends them while the engine core schedules on).
 * A process further behind than ``max_lag_s`` is overloaded rather than stalled (its own work
   per step exceeds the modelled step): simulated time then slips forward to now, and the slip is
   counted (``slipped_seconds``, ``kvflow_sim:engine_slip_seconds_total``). The default allows 16
@@ -212,17 +214,24 @@ class Engine:
     def poll(self) -> float | None:
         """Advance the timeline to the clock's now by at most one step. Returns when to poll
         again (the in-flight step's end), or None when idle or blocked until an outside event."""
-        wall = self.clock.now()
+        if (end := self._finish_step()) is not None:
+            return end
+        self._plan(self.clock.now())
+        return None if self._inflight is None else self._inflight.end
+
+    def _finish_step(self) -> float | None:
+        """Complete the in-flight step if it has ended (its tokens go to their requests), else
+        return its end."""
         step = self._inflight
         if step is not None:
-            if step.end > wall + self.clock.resolution:
+            if step.end > self.clock.now() + self.clock.resolution:
                 return step.end
             self._inflight = None
             self._complete(step)
-        self._plan(wall)
-        return None if self._inflight is None else self._inflight.end
+        return None
 
     def _plan(self, wall: float) -> None:
+        self._flush_events()  # the last step's, stamped with its end
         sched = self.scheduler
         while True:
             if self._parked:
@@ -255,12 +264,16 @@ class Engine:
         produced = self.scheduler.complete(step.plan, step.end)
         self.steps += 1
         self.busy_seconds += step.end - step.start
-        self._flush_events()
         self._after_step(step.plan.num_decoding + step.plan.prefill_tokens, produced, step.end)
 
     async def _run(self) -> None:
         while True:
             self._wake.clear()
+            if self._inflight is not None and self._finish_step() is None:
+                # Like vLLM's engine core, whose output thread sends a step's tokens while the
+                # next step is scheduled: the requests write theirs before this loop publishes
+                # the step's KV events and plans (and hashes prompts for) the next one.
+                await asyncio.sleep(0)
             deadline = self.poll()
             if deadline is None:
                 await self._wake.wait()

@@ -297,3 +297,57 @@ async def finish(engine: Engine, *reqs: SimRequest) -> None:
         while not req.finished:
             await event.wait()
             event.clear()
+
+
+class RecordingPublisher:
+    """Stands in for the ZMQ publisher: notes in ``log`` when a batch of KV events went out."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def start(self) -> None:
+        pass
+
+    def publish(self, events: list[Any], *, ts: float | None = None) -> None:
+        self.log.append("kv events")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_steps_tokens_are_written_before_its_kv_events_go_out_and_the_next_step_is_planned() -> None:
+    # vLLM's engine core hands a step's outputs to its output thread and goes on scheduling: the
+    # API server writes the first token while the next step is planned and the KV events of the
+    # last one are published. A simulator that published and planned first made every first
+    # token wait for it (the prompts' block hashing included).
+    log: list[str] = []
+    clock = FakeClock()
+    scheduler = make_scheduler()
+    planned = scheduler.schedule
+
+    def schedule(now: float) -> Any:
+        log.append("planned")
+        return planned(now)
+
+    scheduler.schedule = schedule  # type: ignore[method-assign]
+    engine = Engine(scheduler, H100, transfer=NoTransfer(TransferConfig()), clock=clock,
+                    publisher=RecordingPublisher(log))  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        req = make_request("a", list(range(8)), max_tokens=2)
+        first = asyncio.Event()
+        req.notify = first.set
+
+        async def writer() -> None:  # the request's handler, woken by its first token
+            await first.wait()
+            log.append("first token written")
+
+        task = asyncio.create_task(writer())
+        engine.submit(req)
+        await task
+        await finish(engine, req)
+        written = log.index("first token written")
+        assert log[:written] == ["planned"]  # the prefill step, planned before any token
+        assert log[written + 1:written + 3] == ["kv events", "planned"]
+    finally:
+        await engine.stop()
