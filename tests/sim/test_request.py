@@ -15,7 +15,9 @@ BLOCK = 16
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
-@pytest.mark.parametrize(("lora", "salt"), [(None, None), (None, "tenant-7"), (LoraAdapter("sql", "/adapters/sql", 1), None)])
+@pytest.mark.parametrize(
+    ("lora", "salt"), [(None, None), (None, "tenant-7"), (LoraAdapter("sql", "/adapters/sql", 1), None)]
+)
 def test_a_prompts_hashes_then_a_decodes_one_block_at_a_time_are_the_chain_vllm_computes(
     algo: str, lora: LoraAdapter | None, salt: str | None
 ) -> None:
