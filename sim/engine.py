@@ -269,7 +269,10 @@ class Engine:
     async def _run(self) -> None:
         while True:
             self._wake.clear()
-            if self._inflight is not None and self._finish_step() is None:
+            if self._inflight is not None:
+                if (end := self._finish_step()) is not None:  # still running
+                    await self.clock.sleep_until(end)
+                    continue
                 # Like vLLM's engine core, whose output thread sends a step's tokens while the
                 # next step is scheduled: the requests write theirs before this loop publishes
                 # the step's KV events and plans (and hashes prompts for) the next one.
