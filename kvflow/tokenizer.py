@@ -216,17 +216,11 @@ class BuiltinTokenizer:
         """The ids of text made of words and single spaces (most prompts), else None.
 
         Such text splits at its spaces (" word" for every word after the first), so it can be cut
-        before any space and tokenized piece by piece. The cuts are the first space after every
-        ``CHUNK`` characters from the start, so prompts sharing a prefix share its chunks."""
+        before any space and tokenized piece by piece. The cuts are ``split_at_spaces``' (the
+        Hugging Face tokenizer's too), so prompts sharing a prefix share its chunks."""
         ids: list[int] = []
-        chunks, start, n = self._chunks, 0, len(text)
-        while start < n:
-            end = text.find(" ", start + self.CHUNK)
-            if end < 0:
-                end = n
-            elif text[end - 1] == " ":  # a run of spaces: not plain
-                return None
-            chunk = text[start:end]
+        chunks = self._chunks
+        for chunk in split_at_spaces(text, self.CHUNK):
             got = chunks.get(chunk)
             if got is None:
                 if not chunk.isascii() or chunk.encode().translate(None, _WORD_OR_SPACE) or "  " in chunk:
@@ -236,7 +230,6 @@ class BuiltinTokenizer:
                     chunks.clear()
                 chunks[chunk] = got
             ids += got
-            start = end
         return ids
 
     def _words(self, chunk: str) -> list[int]:
