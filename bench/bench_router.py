@@ -18,7 +18,8 @@ so other processes on a shared machine do not count; a target is read on the med
 **KV-event ingestion**: ``BlockStored`` events of 1 to 512 blocks (each chained on the last
 block of the one before, as a pod's prefill chunks are), encoded as vLLM encodes them, through
 the router's decoder and ``apply`` (validation, fingerprinting, translation, index); then the
-same blocks' ``BlockRemoved``. CPU microseconds per block; beside it, the peer: the same
+same blocks' ``BlockRemoved``; then, stored again, their eviction as vLLM publishes it: one
+``BlockRemoved`` per block, as many per batch. CPU microseconds per block; beside it, the peer: the same
 events into an index keyed by vLLM's hashes as the events name them (no tokens read, nothing
 to translate: what the router paid before it fingerprinted blocks).
 
@@ -61,7 +62,7 @@ from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.hashing import hash_fn, hash_request_tokens, none_hash, to_external
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.block_table import BlockTable
-from kvflow.protocol.kv_events import BlockRemoved, BlockStored, KvEvent, decode_batch
+from kvflow.protocol.kv_events import BlockRemoved, BlockStored, KvEvent, decode_runs
 from kvflow.router.kv_events import apply
 from kvflow.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvflow.protocol import kv_events as wire
@@ -185,17 +186,19 @@ class KeyedByHash:
         return 0
 
 
-def ingest(blocks_per_event: int, total: int, peer: bool = False) -> tuple[list[float], list[float]]:
+def ingest(blocks_per_event: int, total: int, peer: bool = False) -> tuple[list[float], list[float], list[float]]:
     """CPU seconds per block to store ``total`` blocks in events of ``blocks_per_event``
-    (through the wire format and the decoder), then to remove them; one sample per 64 events.
-    ``peer``: into an index keyed by vLLM's hashes instead."""
+    (through the wire format and the subscriber's decoder), then to remove them; then to store
+    them again and evict them as vLLM does, one ``BlockRemoved`` per block, ``blocks_per_event``
+    of them per batch. One sample per 64 batches. ``peer``: into an index keyed by vLLM's
+    hashes instead."""
     rng = random.Random(4)
     index = PrefixIndex(fingerprinter=Router(load_config({}), []).fingerprinter)
     keyed = KeyedByHash()
     pod = EndpointId("10.0.0.1:8000")
     hashes = [rng.getrandbits(64) for _ in range(total)]
     tokens = [rng.randrange(32000) for _ in range(16 * total)]
-    stored, removed = [], []
+    stored, removed, evicted = [], [], []
     for start in range(0, total, blocks_per_event):
         end = min(total, start + blocks_per_event)
         event = wire.WireBlockStored(
@@ -205,15 +208,17 @@ def ingest(blocks_per_event: int, total: int, peer: bool = False) -> tuple[list[
         )
         stored.append((end - start, wire.encode_batch([event], ts=1.0)))
         removed.append((end - start, wire.encode_batch([wire.WireBlockRemoved(hashes[start:end], "GPU", 0)], ts=1.0)))
-    samples: tuple[list[float], list[float]] = ([], [])
-    for out, payloads in zip(samples, (stored, removed)):
+        evictions = [wire.WireBlockRemoved([h], "GPU", 0) for h in hashes[start:end]]
+        evicted.append((end - start, wire.encode_batch(evictions, ts=1.0)))  # type: ignore[arg-type]
+    samples: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for out, payloads in zip((samples[0], samples[1], [], samples[2]), (stored, removed, stored, evicted)):
         for at in range(0, len(payloads), 64):
             chunk = payloads[at : at + 64]
             t = time.thread_time()
             if peer:
-                skipped = sum(keyed.apply(pod, decode_batch(payload)) for _, payload in chunk)
+                skipped = sum(keyed.apply(pod, decode_runs(payload)[0]) for _, payload in chunk)
             else:
-                skipped = sum(apply(index, pod, decode_batch(payload)) for _, payload in chunk)
+                skipped = sum(apply(index, pod, decode_runs(payload)[0]) for _, payload in chunk)
             out.append((time.thread_time() - t) / sum(n for n, _ in chunk))
             assert skipped == 0
     assert len(index) == len(keyed.table) == 0  # every block removed again, by its vLLM hash
@@ -225,12 +230,12 @@ def ingest_table() -> None:
         "\nKV-event ingestion (decode, fingerprint, translate, index), CPU microseconds per block, best / median;"
         " peer: an index keyed by vLLM's hashes"
     )
-    header = ("BlockStored", "BlockRemoved", "peer stored", "peer removed")
-    print(f"{'blocks/event':>12} " + " ".join(f"{h:>15}" for h in header))
+    header = ("BlockStored", "BlockRemoved", "evicted", "peer stored", "peer removed", "peer evicted")
+    print(f"{'blocks/event':>12} " + " ".join(f"{h:>13}" for h in header))
     for per in (1, 4, 64, 512):
         total = 32_768 if per > 1 else 8192
         cells = [*ingest(per, total), *ingest(per, total, peer=True)]
-        print(f"{per:>12} " + " ".join(f"{micros(c, 1):>15}" for c in cells), flush=True)
+        print(f"{per:>12} " + " ".join(f"{micros(c, 1):>13}" for c in cells), flush=True)
 
 
 def per_request(profile: str, n_endpoints: int, *, requests: int, window: int, batches: int) -> list[float]:

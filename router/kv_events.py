@@ -30,14 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, KvEvent, decode_batch
+from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, KvEvent, decode_runs
 from kvflow.router.fingerprint import event_keys
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.throttle import ThrottledLog
@@ -114,13 +113,14 @@ def slices(events: list[KvEvent], max_blocks: int = SLICE_BLOCKS) -> Iterator[li
     """``events`` in order, in runs of at most ``max_blocks`` blocks each (an
     ``AllBlocksCleared`` counts as one). A longer ``BlockStored`` is cut into consecutive ones,
     each chained on the last block of the one before: applied in order, they store what it
-    stores."""
+    stores. A longer ``BlockRemoved`` (a run of them, ``decode_runs``) is cut likewise."""
     part: list[KvEvent] = []
     n = 0
     for event in events:
-        size = 1 if isinstance(event, AllBlocksCleared) else len(event.block_hashes)
-        if size > max_blocks and isinstance(event, BlockStored):
-            cuts = _cut(event, max_blocks)
+        if isinstance(event, AllBlocksCleared):
+            size = 1
+        elif (size := len(event.block_hashes)) > max_blocks:
+            cuts = _cut(event, max_blocks) if isinstance(event, BlockStored) else _cut_removed(event, max_blocks)
             if len(cuts) > 1:
                 if part:
                     yield part
@@ -135,6 +135,11 @@ def slices(events: list[KvEvent], max_blocks: int = SLICE_BLOCKS) -> Iterator[li
         n += size
     if part:
         yield part
+
+
+def _cut_removed(event: BlockRemoved, max_blocks: int) -> list[KvEvent]:
+    hashes = event.block_hashes
+    return [BlockRemoved(hashes[i : i + max_blocks]) for i in range(0, len(hashes), max_blocks)]
 
 
 def _cut(event: BlockStored, max_blocks: int) -> list[KvEvent]:
@@ -277,7 +282,7 @@ class KvEventSubscriber:
                 self.index.clear(endpoint_id)
             self.last_seq[stream] = seq
         try:
-            events = decode_batch(payload)
+            events, counts = decode_runs(payload)
         except (BadEvent, TypeError, IndexError, AttributeError) as exc:
             throttled.warning(endpoint_id, "dropped a bad KV-event batch from %s: %s", endpoint_id, exc)
             self._problem(endpoint_id, "bad_batch")
@@ -289,7 +294,7 @@ class KvEventSubscriber:
             for _ in range(apply(self.index, endpoint_id, part, self.speculative)):
                 self._problem(endpoint_id, "unchained")
         if self.on_event is not None:
-            for kind, n in Counter(type(event).__name__ for event in events).items():
+            for kind, n in counts.items():
                 self.on_event(endpoint_id, kind, n)
 
 

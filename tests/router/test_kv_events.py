@@ -4,6 +4,7 @@ the precise index they feed: keyed by the router's fingerprints of the blocks th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -13,7 +14,7 @@ import zmq.asyncio
 from kvflow.router import kv_events
 from kvflow.hashing import hash_request_tokens, to_external
 from kvflow.router import Router, SchedulingRequest, load_config
-from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, decode_batch
+from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, decode_batch, decode_runs
 from kvflow.router.kv_events import KvEventSubscriber, apply, stored_fingerprints
 from kvflow.router.prefix_index import PrefixIndex
 from kvflow.endpoints import Endpoint, EndpointId
@@ -153,6 +154,9 @@ def test_a_long_batch_applied_in_slices_stores_and_removes_what_it_does_whole() 
     for part in kv_events.slices(batch[-2:], max_blocks=32):
         apply(sliced, "a:1", part)
     assert len(sliced) == 3
+    run = BlockRemoved(tuple(hashes[:100]))  # a run of per-block removals, as decode_runs gives it
+    assert list(kv_events.slices([run], max_blocks=32)) == [
+        [BlockRemoved(run.block_hashes[i : i + 32])] for i in range(0, 100, 32)]
 
 
 async def test_a_long_batch_lets_the_event_loop_turn_while_it_is_applied() -> None:
@@ -456,9 +460,23 @@ def _raw(*events: object) -> bytes:
          "nested-tokens", "lora-name-int", "lora-name-huge", "extra-keys-per-block-mismatch", "extra-key-map",
          "extra-key-float", "too-many-extra-keys", "extra-keys-not-a-list", "events-not-a-list", "not-msgpack"],
 )
-def test_a_pod_cannot_put_garbage_in_the_index(payload: bytes) -> None:
+@pytest.mark.parametrize("decode", [decode_batch, decode_runs])
+def test_a_pod_cannot_put_garbage_in_the_index(payload: bytes, decode: Callable[[bytes], object]) -> None:
     with pytest.raises(BadEvent):
-        decode_batch(payload)
+        decode(payload)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["BlockRemoved", [-1], None], ["BlockRemoved", [True], None], ["BlockRemoved", 7, None],
+     {"type": "BlockRemoved", "block_hashes": [1.5], "medium": "GPU"},
+     {"type": "BlockRemoved", "block_hashes": list(range(70_000)), "medium": "GPU"}],
+    ids=["negative", "bool", "not-a-list", "map-a-float", "map-too-many-hashes"],
+)
+def test_one_bad_removal_in_a_run_of_them_drops_the_whole_batch(bad: object) -> None:
+    good = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in (1, 2, 3)]
+    with pytest.raises(BadEvent):
+        decode_runs(_raw(*good, bad, *good))
 
 
 async def _until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
