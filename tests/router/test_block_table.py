@@ -58,6 +58,18 @@ class Model:
             mine.pop(0)
 
 
+def assert_slots_hold_exactly_the_live_blocks(table: BlockTable) -> None:
+    """Every block someone holds is found by its key (and a translated block by its vLLM hash),
+    and every slot in use names such a block: no deletion (a backward shift) broke a probe run."""
+    live = set(table._live_records().tolist())
+    assert len(live) == len(table) == table._index.count
+    assert all(table._index.find(table._key[r]) == r for r in live)
+    for index in (table._index, table._vindex) if table.translate else (table._index,):
+        named = [r for r in index.slots if r >= 0]
+        assert len(named) == index.count and set(named) <= live
+        assert all(index.find(index.keys[r]) == r for r in named)
+
+
 def lazily(chain: list[int], asked: list[int]) -> Iterator[int]:
     for i, h in enumerate(chain):
         asked.append(i)
@@ -103,6 +115,7 @@ def test_every_operation_agrees_with_dicts_of_sets(refresh: bool, seed: int, vec
         if step % 250 == 0:
             assert {e: table.oldest_first(e) for e in endpoints} == {e: model.order.get(e, []) for e in endpoints}
             assert dict(table.holders) == model.holders() and len(table) == len(model.holders())
+            assert_slots_hold_exactly_the_live_blocks(table)
     assert table.entries() == sum(len(v) for v in model.order.values())
 
 
@@ -202,6 +215,7 @@ def test_vllm_hashes_translate_while_anyone_holds_the_block(seed: int, monkeypat
         if step % 50 == 0:
             held = model.holders()
             assert {k: table.translated(vllm[k]) for k in keys} == {k: k if k in held else None for k in keys}
+            assert_slots_hold_exactly_the_live_blocks(table)
     assert table.longest_probe() < 64
 
 
