@@ -171,11 +171,11 @@ def test_sim_codec_reencodes_real_payloads_byte_for_byte() -> None:
 
 
 def test_router_decodes_real_payloads() -> None:
-    from kvflow.router import kv_events
+    from kvflow.protocol.kv_events import decode_batch
 
     for run in RUNS:
         for frame in run["frames"]:
-            decoded = kv_events.decode_batch(bytes.fromhex(frame["payload_hex"]))
+            decoded = decode_batch(bytes.fromhex(frame["payload_hex"]))
             assert [type(e).__name__ for e in decoded] == [e["type"] for e in frame["decoded"][1]]
             for got, want in zip(decoded, frame["decoded"][1], strict=True):
                 if want["type"] != "AllBlocksCleared":
