@@ -211,6 +211,7 @@ def ingest(blocks_per_event: int, total: int, peer: bool = False) -> tuple[list[
         evictions = [wire.WireBlockRemoved([h], "GPU", 0) for h in hashes[start:end]]
         evicted.append((end - start, wire.encode_batch(evictions, ts=1.0)))  # type: ignore[arg-type]
     samples: tuple[list[float], list[float], list[float]] = ([], [], [])
+    # stored, removed, stored again (not reported), evicted
     for out, payloads in zip((samples[0], samples[1], [], samples[2]), (stored, removed, stored, evicted)):
         for at in range(0, len(payloads), 64):
             chunk = payloads[at : at + 64]

@@ -103,22 +103,31 @@ def runs_merged(events: list[object]) -> list[object]:
     return out
 
 
+def assert_runs_of(payload: bytes) -> None:
+    """``decode_runs`` gives ``decode_batch``'s events, a run of removals as one, counted per type."""
+    events, counts = decode_runs(payload)
+    one_by_one = decode_batch(payload)
+    assert events == runs_merged(one_by_one)  # type: ignore[arg-type]
+    assert counts == {kind: sum(type(e).__name__ == kind for e in one_by_one)
+                      for kind in {type(e).__name__ for e in one_by_one}}
+
+
 @pytest.mark.parametrize("frame", FRAMES, ids=[f"seq{f['seq']}-{i}" for i, f in enumerate(FRAMES)])
-def test_decode_runs_gives_the_batchs_events_with_each_run_of_removals_as_one(frame: dict) -> None:  # type: ignore[type-arg]
-    """What real vLLM published, and a batch with evictions between stores (one BlockRemoved per
-    block, as vLLM sends them): the same events, a run of removals as one, counted per type."""
+def test_decode_runs_reads_what_real_vllm_published_as_decode_batch_does_with_runs_merged(frame: dict) -> None:  # type: ignore[type-arg]
+    assert_runs_of(bytes.fromhex(frame["payload_hex"]))
+
+
+def test_decode_runs_merges_each_run_of_evictions_between_other_events() -> None:
+    """Evictions as vLLM sends them (one BlockRemoved per block) around a store, an empty removal,
+    a reset and a digest hash: one event per run, the empty removal adding nothing."""
     stored = WireBlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(32)),
                              block_size=16, lora_id=None, medium="GPU", lora_name=None)
     evictions = [WireBlockRemoved([h], "GPU") for h in (5, 6, 7)]
     mixed = encode_batch([*evictions, stored, WireBlockRemoved([], "GPU"), *evictions, WireAllBlocksCleared(),
                           WireBlockRemoved([bytes(range(32))], "GPU"), *evictions])
-    for payload in (bytes.fromhex(frame["payload_hex"]), mixed):
-        events, counts = decode_runs(payload)
-        one_by_one = decode_batch(payload)
-        assert events == runs_merged(one_by_one)  # type: ignore[arg-type]
-        assert counts == {kind: sum(type(e).__name__ == kind for e in one_by_one)
-                          for kind in {type(e).__name__ for e in one_by_one}}
-    events, _ = decode_runs(mixed)
+    assert_runs_of(mixed)
+    events, counts = decode_runs(mixed)
     assert [type(e).__name__ for e in events] == ["BlockRemoved", "BlockStored", "BlockRemoved", "AllBlocksCleared",
                                                   "BlockRemoved"]
     assert events[-1] == BlockRemoved((int.from_bytes(bytes(range(32))[-8:], "big"), 5, 6, 7))
+    assert counts == {"BlockRemoved": 11, "BlockStored": 1, "AllBlocksCleared": 1}
