@@ -250,11 +250,24 @@ _REMOVED_HASHES = 1 + _POSITIONS["BlockRemoved"]["block_hashes"]
 """Where an array-tagged ``BlockRemoved`` carries its hashes."""
 
 
+_OTHER = object()
+
+
+def _removed_hashes(raw: Any) -> Any:
+    """A ``BlockRemoved``'s hashes as sent, unchecked (None if it has none), or ``_OTHER`` for
+    any other event (and for an array-tagged removal too short to hold them: the generic path)."""
+    if type(raw) is dict:  # vLLM's tagged map
+        return raw.get("block_hashes") if raw.get("type") == "BlockRemoved" else _OTHER
+    if type(raw) is list and len(raw) > _REMOVED_HASHES and raw[0] == "BlockRemoved":  # older vLLM's array
+        return raw[_REMOVED_HASHES]
+    return _OTHER
+
+
 def decode_event(raw: Any) -> KvEvent | None:
     """One event as msgpack decoded it (untyped) → its decoded form; None for an unknown type."""
-    if type(raw) is list and len(raw) > _REMOVED_HASHES and raw[0] == "BlockRemoved":
+    if (removed := _removed_hashes(raw)) is not _OTHER:
         # vLLM's most frequent event (one per evicted block), without the generic field getter
-        return BlockRemoved(_hashes(raw[_REMOVED_HASHES]))
+        return BlockRemoved(_hashes(removed))
     tag, get = _fields(raw)
     if tag == "BlockStored":
         parent = get("parent_block_hash")
@@ -297,13 +310,8 @@ def decode_runs(payload: bytes) -> tuple[list[KvEvent], dict[str, int]]:
     run: list[Any] = []  # the hashes of the BlockRemoved events since the last other event
     removed = 0
     for raw in _raw_events(payload):
-        if type(raw) is dict:  # vLLM's tagged map
-            hashes = raw.get("block_hashes", ()) if raw.get("type") == "BlockRemoved" else None
-        elif type(raw) is list and len(raw) > _REMOVED_HASHES and raw[0] == "BlockRemoved":  # older vLLM's array
-            hashes = raw[_REMOVED_HASHES]
-        else:
-            hashes = None
-        if hashes is not None and type(hashes) is list and len(hashes) <= MAX_HASHES_PER_EVENT:
+        hashes = _removed_hashes(raw)
+        if type(hashes) is list and len(hashes) <= MAX_HASHES_PER_EVENT:
             run += hashes
             removed += 1
             continue
