@@ -1,6 +1,7 @@
 """An open-loop, streaming load generator on aiohttp.
 
-Sends a ``Trace`` to one OpenAI ``/v1/completions`` URL: each request at its time whatever the
+Sends a ``Trace`` to one OpenAI ``/v1/completions`` URL (or each request to a URL of its own):
+each request at its time whatever the
 others are doing (a follow-up turn right after its previous turn's answer plus the think time),
 streamed, with the time of the first and the last token. Bodies are encoded before the clock
 starts, the collector leaves the process's older objects alone while it runs, and the
@@ -76,7 +77,12 @@ def body(req: TraceRequest, model: str) -> bytes:
     }).encode()
 
 
-async def run(url: str, trace: Trace, *, model: str, timeout: float = 120.0) -> Run:
+async def run(url: str | Sequence[str], trace: Trace, *, model: str, timeout: float = 120.0) -> Run:
+    """``url``: where every request goes, or one per trace request (by index: the live oracle
+    sends each straight to the pod the oracle placed it on)."""
+    urls = [url] * len(trace.requests) if isinstance(url, str) else list(url)
+    if len(urls) != len(trace.requests):
+        raise ValueError(f"{len(urls)} URLs for {len(trace.requests)} requests")
     # The benchmark's process holds every trace, replay and result it computed before: a full
     # collection over them in the middle of a run stalled this loop for 160-170 ms (docs/router.md,
     # "The load generator's collector"). Collected and frozen first, they are not scanned again
@@ -84,12 +90,12 @@ async def run(url: str, trace: Trace, *, model: str, timeout: float = 120.0) -> 
     gc.collect()
     gc.freeze()
     try:
-        return await _run(url, trace, model, timeout)
+        return await _run(urls, trace, model, timeout)
     finally:
         gc.unfreeze()
 
 
-async def _run(url: str, trace: Trace, model: str, timeout: float) -> Run:
+async def _run(urls: Sequence[str], trace: Trace, model: str, timeout: float) -> Run:
     bodies = [body(r, model) for r in trace.requests]
     results = [Result(r.index) for r in trace.requests]
     children = trace.children()
@@ -104,7 +110,7 @@ async def _run(url: str, trace: Trace, model: str, timeout: float) -> Run:
             res.scheduled = scheduled
             res.sent = time.perf_counter() - t0
             try:
-                async with session.post(url, data=bodies[req.index], headers=headers) as resp:
+                async with session.post(urls[req.index], data=bodies[req.index], headers=headers) as resp:
                     res.status = resp.status
                     if resp.status != 200:
                         res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"

@@ -198,6 +198,8 @@ class ReplayResult:
     finished: tuple[float, ...]
     requests_per_pod: tuple[int, ...]
     hit_rate: float
+    placements: tuple[int, ...] = ()
+    """The pod each trace request was sent to (-1: refused, or never sent)."""
 
 
 def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = False) -> Pod:
@@ -229,6 +231,7 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
     n = len(prepared)
     ttft, finished = [math.nan] * n, [math.nan] * n
     arrival = [0.0] * n
+    placed = [-1] * n
     children = trace.children()
     events: list[tuple[float, int, str, int, int]] = []
     seq = 0
@@ -295,6 +298,7 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
         if kind == "arrive":
             p, pod = prepared[what], fleet[picked]
             pod.routed += 1
+            placed[what] = picked
             req = _sim_request(p, now)
             pod.expected_uncached[req.request_id] = len(p.token_ids) - Clairvoyant.cached_tokens(p, pod)
             arrival[what] = now
@@ -323,7 +327,7 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
     hits = sum(p.scheduler.prefix_stats.hits for p in fleet)
     queries = sum(p.scheduler.prefix_stats.queries for p in fleet)
     return ReplayResult(policy.name, tuple(ttft), tuple(finished), tuple(p.routed for p in fleet),
-                        hits / queries if queries else 0.0)
+                        hits / queries if queries else 0.0, tuple(placed))
 
 
 ORACLE_WEIGHTS = (0.0, 1.0, 2.0, 4.0)

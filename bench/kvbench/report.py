@@ -14,6 +14,8 @@ from kvbench.pods import Counters
 
 REFERENCE = "sglang cache_aware"
 ORACLE = "oracle (replay)"
+LIVE_ORACLE = "oracle (live)"
+"""The oracle's placements sent straight to the live pods, no router between (``routers.ORACLE``)."""
 BOUND = "bound"
 REPLAY_RR = "round-robin (replay)"
 REPLAY_KVFLOW = "kvflow default (replay)"
@@ -23,6 +25,7 @@ REPLAY_STYLES: dict[str, dict[str, object]] = {
     REPLAY_RR: {"linestyle": "--", "color": "grey"},
     REPLAY_KVFLOW: {"linestyle": "--", "color": "tab:red"},
 }
+LIVE_ORACLE_STYLE: dict[str, object] = {"linestyle": "-", "color": "black", "linewidth": 1.0}
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 """Measured routers other than kvflow's headline (red, its replay dashed red)."""
 
@@ -109,23 +112,25 @@ def _f(v: float, fmt: str) -> str:
 
 def table(rows: Sequence[Row]) -> str:
     """One markdown table: every router at every rate, with ratios (mean TTFT) to sglang-router
-    cache_aware and to the oracle at the same rate."""
+    cache_aware and to the oracle, replayed and live, at the same rate."""
     lines = [
-        "| rate (req/s) | router | TTFT mean (ms) | TTFT p90 (ms) | pod TTFT (ms) | vs sglang ca | vs oracle | ITL (ms) | tok/s | "
-        "errors | hit rate | balance (max/mean) | req/pod | KV pulled (tok) | router CPU | client CPU | "
+        "| rate (req/s) | router | TTFT mean (ms) | TTFT p90 (ms) | pod TTFT (ms) | vs sglang ca | vs oracle | "
+        "vs oracle live | ITL (ms) | tok/s | errors | hit rate | balance (max/mean) | req/pod | KV pulled (tok) | router CPU | client CPU | "
         "client lag (ms) | load avg |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for rate in sorted({r.rate for r in rows}):
         at = [r for r in rows if r.rate == rate]
         ref = next((r for r in at if r.router == REFERENCE), None)
         oracle = next((r for r in at if r.router == ORACLE), None)
+        live = next((r for r in at if r.router == LIVE_ORACLE), None)
         for r in at:
             lines.append(
                 f"| {rate:g} | {r.router} | {_f(r.ttft_mean_ms, '.1f')} | {_f(r.ttft_p90_ms, '.1f')} | "
                 f"{_f(r.pod_ttft_ms, '.1f')} | "
                 f"{_ratio(r.ttft_mean_ms, ref.ttft_mean_ms) if ref else '–'} | "
-                f"{_ratio(r.ttft_mean_ms, oracle.ttft_mean_ms) if oracle else '–'} | {_f(r.itl_ms, '.2f')} | "
+                f"{_ratio(r.ttft_mean_ms, oracle.ttft_mean_ms) if oracle else '–'} | "
+                f"{_ratio(r.ttft_mean_ms, live.ttft_mean_ms) if live else '–'} | {_f(r.itl_ms, '.2f')} | "
                 f"{_f(r.tokens_per_s, '.0f')} | {r.errors if r.measured or r.errors else '–'} | "
                 f"{_f(r.hit_rate, '.2f')} | {_f(r.balance, '.2f')} | {'/'.join(map(str, r.requests_per_pod))} | "
                 f"{r.pulled_tokens if r.measured else '–'} | "
@@ -170,6 +175,11 @@ def targets(workload: str, rows: Sequence[Row], saturation: float, *, uniform_sh
         if not math.isnan(kv.pod_ttft_ms):
             out.append(f"  the pods' own TTFT vs oracle (the replay models the pods, not the HTTP path): "
                        f"mean {kv.pod_ttft_ms / oracle.ttft_mean_ms:.2f}")
+    live = next((r for r in at if r.router == LIVE_ORACLE), None)
+    if live:
+        m, p = kv.ttft_mean_ms / live.ttft_mean_ms, kv.ttft_p90_ms / live.ttft_p90_ms
+        out.append(f"  TTFT vs oracle (live: its placements sent straight to the same pods, no router): mean {m:.2f} "
+                   f"(target <= 1.10: {'met' if m <= 1.1 else 'NOT met'}), p90 {p:.2f}")
     replayed = next((r for r in at if r.router == REPLAY_KVFLOW), None)
     if oracle and replayed:
         m = replayed.ttft_mean_ms / oracle.ttft_mean_ms
@@ -192,24 +202,28 @@ def targets(workload: str, rows: Sequence[Row], saturation: float, *, uniform_sh
 def summary(rows: Sequence[Row]) -> str:
     """Several seeds' runs at round-robin's saturation rate, one line per workload and router:
     the mean over seeds of each figure, and of each seed's ratios to sglang-router ``cache_aware``
-    and to the oracle (each seed is its own trace, so only rows of one seed are compared); then
+    and to the oracle, replayed and live (each seed is its own trace, so only rows of one seed are
+    compared); then
     issue 10's targets on those means. A single live run of these traces swings by tens of percent
     for every router; the mean over seeds is the figure to read."""
     lines = [
         "| workload | router | seeds | TTFT mean (ms) | TTFT p90 (ms) | pod TTFT (ms) | mean vs sglang ca (range) | "
-        "p90 vs sglang ca | mean vs oracle | pod TTFT vs oracle | hit rate | balance | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "p90 vs sglang ca | mean vs oracle | pod TTFT vs oracle | mean vs oracle live | hit rate | balance | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     verdicts = []
     for workload in dict.fromkeys(r.workload for r in rows):
         mine = [r for r in rows if r.workload == workload]
         for router in dict.fromkeys(r.router for r in mine):
             runs = [r for r in mine if r.router == router]
-            vs_ref, vs_ref_p90, vs_oracle, pod_vs_oracle = [], [], [], []
+            vs_ref, vs_ref_p90, vs_oracle, pod_vs_oracle, vs_live = [], [], [], [], []
             for r in runs:
                 same = [o for o in mine if o.seed == r.seed]
                 ref = next((o for o in same if o.router == REFERENCE), None)
                 oracle = next((o for o in same if o.router == ORACLE), None)
+                live = next((o for o in same if o.router == LIVE_ORACLE), None)
+                if live:
+                    vs_live.append(r.ttft_mean_ms / live.ttft_mean_ms)
                 if ref:
                     vs_ref.append(r.ttft_mean_ms / ref.ttft_mean_ms)
                     vs_ref_p90.append(r.ttft_p90_ms / ref.ttft_p90_ms)
@@ -221,13 +235,17 @@ def summary(rows: Sequence[Row]) -> str:
                 f"| {workload} | {router} | {len(runs)} | {_mean(r.ttft_mean_ms for r in runs)} | "
                 f"{_mean(r.ttft_p90_ms for r in runs)} | {_mean(r.pod_ttft_ms for r in runs)} | "
                 f"{_mean(vs_ref, '.2f')}{spread} | {_mean(vs_ref_p90, '.2f')} | {_mean(vs_oracle, '.2f')} | "
-                f"{_mean(pod_vs_oracle, '.2f')} | {_mean((r.hit_rate for r in runs), '.2f')} | "
+                f"{_mean(pod_vs_oracle, '.2f')} | {_mean(vs_live, '.2f')} | {_mean((r.hit_rate for r in runs), '.2f')} | "
                 f"{_mean((r.balance for r in runs), '.2f')} | {sum(r.errors for r in runs) if runs[0].measured else '–'} |")
             if router == "kvflow default" and vs_ref and vs_oracle:
                 m, p, o = statistics.mean(vs_ref), statistics.mean(vs_ref_p90), statistics.mean(vs_oracle)
+                live_verdict = ""
+                if vs_live:
+                    v = statistics.mean(vs_live)
+                    live_verdict = f"; vs oracle (live) {v:.2f} ({'met' if v <= 1.1 else 'NOT met'})"
                 verdicts.append(f"  {workload}: vs sglang cache_aware mean {m:.2f}, p90 {p:.2f} (target <= 0.80: "
                                 f"{'met' if max(m, p) <= 0.8 else 'NOT met'}); vs oracle {o:.2f} (target <= 1.10: "
-                                f"{'met' if o <= 1.1 else 'NOT met'})")
+                                f"{'met' if o <= 1.1 else 'NOT met'}){live_verdict}")
     return "\n".join(lines + (["", "issue 10 targets on the means over seeds:", *verdicts] if verdicts else []))
 
 
@@ -253,6 +271,8 @@ def plot(rows: Sequence[Row], title: str, path: Path) -> None:
             style: dict[str, object] = {"linestyle": "-", "linewidth": 1.5}
             if name == "kvflow default":
                 style |= {"linewidth": 2.5, "color": "tab:red"}
+            elif name == LIVE_ORACLE:
+                style |= LIVE_ORACLE_STYLE
             elif name not in REPLAY_STYLES:
                 style["color"] = next(palette, None)
             style |= REPLAY_STYLES.get(name, {})

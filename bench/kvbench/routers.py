@@ -9,6 +9,10 @@ A router is named ``KIND[:POLICY]``:
 * ``sglang:cache_aware``, ``sglang:round_robin`` — sglang-router's ``smg launch``.
 * ``vllm-router:cache_aware``, ``vllm-router:round_robin``, ``vllm-router:kv_aware`` (its
   KV-event policy, given each pod's ``--kv-event-source``).
+* ``oracle`` — no router at all: the client sends each request straight to the pod the oracle's
+  replay put it on (``oracle (live)``). Perfect placement at no routing cost, on the same live
+  pods: the best any router could do here, the pods' own HTTP front ends and the machine's noise
+  included, which the replay leaves out.
 
 Peers are optional: ``ensure`` installs the ``bench`` extra's requirement for a missing one, and
 says why a peer is skipped when it cannot (not installable, or a P/D protocol it lacks).
@@ -37,7 +41,9 @@ POLICIES = {
     "vllm-router": ("cache_aware", "round_robin", "kv_aware"),
 }
 DEFAULT_ROUTERS = ("kvflow", "sglang:cache_aware", "sglang:round_robin", "vllm-router:cache_aware",
-                   "vllm-router:round_robin")
+                   "vllm-router:round_robin", "oracle")
+ORACLE = "oracle"
+"""The live oracle's kind: no router process, the oracle's placements sent straight to the pods."""
 
 
 class Skip(Exception):
@@ -57,8 +63,10 @@ class RouterSpec:
             if policy and policy not in profiles:
                 raise ValueError(f"kvflow profiles: {', '.join(profiles)} (got {policy!r})")
             return cls(kind, policy or None)
+        if kind == ORACLE and not policy:
+            return cls(kind)
         if kind not in POLICIES:
-            raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE], sglang:POLICY or vllm-router:POLICY")
+            raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE], sglang:POLICY, vllm-router:POLICY or oracle")
         policy = policy or POLICIES[kind][0]
         if policy not in POLICIES[kind]:
             raise ValueError(f"{kind} policies here: {', '.join(POLICIES[kind])} (got {policy!r})")
@@ -68,6 +76,8 @@ class RouterSpec:
     def name(self) -> str:
         if self.kind == "kvflow":
             return f"kvflow {self.policy or 'default'}"
+        if self.kind == ORACLE:
+            return "oracle (live)"
         return f"{self.kind} {self.policy}"
 
     @property
@@ -111,6 +121,10 @@ def check(spec: RouterSpec, prefill_pods: int) -> str | None:
     it; else the peer's executable (None for kvflow, which runs from this tree)."""
     if spec.kind == "kvflow":
         return None
+    if spec.kind == ORACLE:
+        if prefill_pods:
+            raise Skip("the oracle's replay models aggregated pods only: it has no P/D placements to send")
+        return None
     if prefill_pods and spec.kind == "sglang":
         raise Skip("sglang-router's P/D mode speaks SGLang's bootstrap protocol (bootstrap_host/port/room), "
                    "not vLLM's NixlConnector kv_transfer_params: it cannot drive vLLM P/D pods")
@@ -120,7 +134,10 @@ def check(spec: RouterSpec, prefill_pods: int) -> str | None:
 
 
 def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[str]:
-    """The router's command line for these pods, listening on 127.0.0.1:``port``."""
+    """The router's command line for these pods, listening on 127.0.0.1:``port`` (the live
+    oracle has none: no process stands between the client and the pods)."""
+    if spec.kind == ORACLE:
+        raise ValueError("the live oracle runs no router process")
     decode = [p for p in pods if p.role != "prefill"]
     prefill = [p for p in pods if p.role == "prefill"]
     if spec.kind == "kvflow":

@@ -1,10 +1,11 @@
 """One workload of the routing benchmark, end to end: rates, oracle, pods, routers, runs, rows.
 
 For each workload: find where round-robin saturates on the replay (unless rates are given),
-replay every rate's trace offline (round-robin, the oracle, kvflow's router, the bound), start
-then, for each router in turn, start fresh pods (warmed alike: their tokenizers have seen the
-traces' words, not their prompts) and the router, and per rate drain and reset the pods' caches,
-send the trace open-loop and read the pods' counters before and after.
+replay every rate's trace offline (round-robin, the oracle, kvflow's router, the bound), then,
+for each router in turn, start fresh pods (warmed alike: their tokenizers have seen the traces'
+words, not their prompts) and the router, and per rate drain and reset the pods' caches, send
+the trace open-loop and read the pods' counters before and after. The live oracle starts no
+router: its client sends each request to the pod the oracle's replay placed it on.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class Outcome:
     rows: list[report.Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     seed: int = 0
+    placements: dict[float, tuple[int, ...]] = field(default_factory=dict)
+    """Per rate, the pod the oracle's replay sent each request to (what the live oracle sends)."""
 
 
 def log(opts: Options, msg: str) -> None:
@@ -77,7 +80,8 @@ def saturation(workload: Workload, seed: int, duration: float) -> float:
     return round(sat, 1)
 
 
-def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
+def replay_rows(workload: Workload, trace: Trace) -> tuple[list[report.Row], tuple[int, ...]]:
+    """The replay's rows for one trace, and the oracle's placements (none with P/D)."""
     profile = get_profile(SIM_PROFILE)
     prepared = oracle.prepare(trace)
     hits = oracle.hittable_blocks(trace, prepared)
@@ -85,7 +89,7 @@ def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
     rows = [report.replay_row(workload.name, report.BOUND, trace.rate, oracle.lower_bound(trace, profile, prepared, hits),
                               hit_rate=ceiling)]
     if workload.pd:  # the replay models aggregated pods only
-        return rows
+        return rows, ()
     best, _ = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile,
                                    num_blocks=workload.num_blocks, prepared=prepared)
     results = [(report.ORACLE, best)]
@@ -96,7 +100,7 @@ def replay_rows(workload: Workload, trace: Trace) -> list[report.Row]:
     for name, res in results:
         rows.append(report.replay_row(workload.name, name, trace.rate, res.ttft, hit_rate=res.hit_rate,
                                       requests_per_pod=res.requests_per_pod))
-    return rows
+    return rows, best.placements
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -115,16 +119,18 @@ def proc_cpu_seconds(pid: int) -> float:
     return total
 
 
-async def measure(workload: Workload, spec: routers.RouterSpec, url: str, pid: int, trace: Trace,
-                  fleet: Sequence[podlib.Pod], opts: Options) -> report.Row:
+async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Sequence[str], pid: int | None,
+                  trace: Trace, fleet: Sequence[podlib.Pod], opts: Options) -> report.Row:
+    """One run of ``trace`` sent to ``url`` (one URL per request for the live oracle), and its
+    row; ``pid``: the router process whose CPU is counted (None: no router)."""
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await podlib.wait_idle(session, fleet)
         await podlib.reset(session, fleet)
         before = await podlib.counters(session, fleet)
-        cpu0, t0 = proc_cpu_seconds(pid), time.monotonic()
+        cpu0, t0 = proc_cpu_seconds(pid) if pid else 0.0, time.monotonic()
         run = await loadgen.run(url, trace, model=podlib.MODEL)
-        router_cpu = (proc_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        router_cpu = (proc_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) if pid else math.nan
         load_avg = os.getloadavg()[0]
         if not await podlib.wait_idle(session, fleet):
             log(opts, f"  warning: pods still busy 60 s after {spec.name}'s run; its counters may miss requests")
@@ -146,8 +152,9 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
     found = f"round-robin saturates near {saturation:g} req/s on the replay" if saturation == saturation else "given"
     log(opts, f"workload {workload.name} ({describe(workload)}): {found}; rates {', '.join(map(str, rates))}")
     traces = {rate: workload.trace(rate, opts.duration, opts.seed) for rate in rates}
-    for trace in traces.values():
-        outcome.rows += await asyncio.to_thread(replay_rows, workload, trace)
+    for rate, trace in traces.items():
+        rows, outcome.placements[rate] = await asyncio.to_thread(replay_rows, workload, trace)
+        outcome.rows += rows
     specs = [routers.RouterSpec.parse(n) for n in router_names]
     vocabulary = words(traces.values())
     for spec in specs:
@@ -166,6 +173,12 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
                                             prefill=workload.prefill_pods, num_blocks=workload.num_blocks,
                                             profile=SIM_PROFILE)
             await podlib.warm(fleet, vocabulary)
+            if spec.kind == routers.ORACLE:
+                for rate in rates:
+                    assert min(outcome.placements[rate], default=0) >= 0, "the oracle places every request"
+                    urls = [f"{fleet[pod].url}/v1/completions" for pod in outcome.placements[rate]]
+                    outcome.rows.append(await measure(workload, spec, urls, None, traces[rate], fleet, opts))
+                continue
             port = free_port("127.0.0.1")
             try:
                 argv = routers.argv(spec, fleet, port, log_dir)

@@ -61,6 +61,27 @@ async def test_a_router_that_cannot_drive_the_workload_is_skipped_before_its_pod
     assert list(tmp_path.rglob("pod-*")) == []  # and no pod was started for it
 
 
+async def test_the_live_oracle_sends_every_request_where_the_replay_placed_it_and_starts_no_router(
+    tmp_path: Path,
+) -> None:
+    outcome = await bench_workload(SMOKE, ["oracle"], Options(duration=2.0, rates=(6.0,), log_dir=tmp_path, verbose=False))
+
+    live = next(r for r in outcome.rows if r.router == report.LIVE_ORACLE)
+    replayed = next(r for r in outcome.rows if r.router == report.ORACLE)
+    assert live.measured and live.errors == 0 and live.answer_mismatches == 0
+    assert live.requests == replayed.requests > 0
+    # the pods' own request counters: each pod served exactly the requests the replay put on it
+    assert live.requests_per_pod == replayed.requests_per_pod
+    assert len(outcome.placements[6.0]) == live.requests and min(outcome.placements[6.0]) >= 0
+    assert math.isnan(live.router_cpu)  # nothing stood between the client and the pods
+    assert [p.name for p in (tmp_path / SMOKE.name / "oracle-(live)").iterdir() if p.name.startswith("router")] == []
+    assert "vs oracle live" in report.table(outcome.rows)
+
+    pd_smoke = replace(SMOKE, name="smoke-pd", decode_pods=1, prefill_pods=1)
+    pd = await bench_workload(pd_smoke, ["oracle"], Options(duration=1.0, rates=(4.0,), log_dir=tmp_path, verbose=False))
+    assert [s.split(":")[0] for s in pd.skipped] == ["oracle (live)"]  # the replay has no P/D placements
+
+
 def test_the_pods_are_warmed_with_every_word_of_the_traces_once() -> None:
     traces = [SMOKE.trace(6.0, 2.0, seed) for seed in (0, 1)]
     text = words([*traces, traces[0]])
@@ -78,6 +99,7 @@ def test_the_summary_over_seeds_compares_each_router_with_the_references_of_its_
         row(report.ORACLE, 0, 50, 100, measured=False), row(report.ORACLE, 1, 100, 200, measured=False),
         row(report.REFERENCE, 0, 100, 200), row(report.REFERENCE, 1, 400, 800),
         row("kvflow default", 0, 60, 150, pod=55), row("kvflow default", 1, 120, 400, pod=90),
+        row(report.LIVE_ORACLE, 0, 50, 110), row(report.LIVE_ORACLE, 1, 125, 260),
     ]
     text = report.summary(rows)
 
@@ -87,8 +109,9 @@ def test_the_summary_over_seeds_compares_each_router_with_the_references_of_its_
     assert cells[6] == "0.45 (0.30-0.60)"  # 60/100 and 120/400: each seed against its own reference
     assert cells[7] == "0.62"  # p90: 150/200 and 400/800
     assert cells[8:10] == ["1.20", "1.00"]  # vs oracle: 60/50 and 120/100; the pods' own: 55/50 and 90/100
+    assert cells[10] == "1.08"  # vs the live oracle: 60/50 and 120/125
     assert "a: vs sglang cache_aware mean 0.45, p90 0.62 (target <= 0.80: met); vs oracle 1.20 (target <= 1.10: " \
-           "NOT met)" in text
+           "NOT met); vs oracle (live) 1.08 (met)" in text
 
 
 def test_the_replay_oracle_never_beats_the_bound_and_round_robin_spreads_evenly() -> None:
