@@ -7,11 +7,12 @@ h100-llama8b``, KV events on, a KV pool too small for every prefix) serve open-l
 traffic at several rates around where round-robin saturates (found on the oracle's replay).
 Each router runs as its users run it; between runs the pods drain and reset their prefix
 caches. The oracle replays the same traces offline on the simulator's own scheduler (see
-``kvbench.oracle`` and docs/router.md). Prints a markdown table per workload (ratios to
-sglang-router ``cache_aware`` and to the oracle at the same rate), issue 10's targets, and
-writes ``bench/out/routing-<workload>.png`` and ``bench/out/routing.json``.
+``kvbench.oracle`` and docs/router.md), and its placements are then played on live pods with
+no router between (``oracle (live)``). Prints a markdown table per workload (ratios to
+sglang-router ``cache_aware`` and to the oracle, replayed and live, at the same rate), issue
+10's targets, and writes ``bench/out/routing-<workload>.png`` and ``bench/out/routing.json``.
 
-    python bench/bench_routing.py                       # everything, ~35 min on 2 cores
+    python bench/bench_routing.py                       # everything, ~40 min on 2 cores
     python bench/bench_routing.py --workloads a --routers kvflow sglang:cache_aware --duration 10
     python bench/bench_routing.py --workloads a --routers kvflow kvflow:prefix-approx --rates 8 12 16
     python bench/bench_routing.py --workloads a b c --routers kvflow sglang:cache_aware sglang:round_robin \\
@@ -45,8 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
                    help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D")
     p.add_argument("--routers", nargs="+", default=list(routers.DEFAULT_ROUTERS),
-                   help="kvflow[:PROFILE], sglang:cache_aware|round_robin, oracle (the oracle's placements sent straight to the pods), "
-                        "vllm-router:cache_aware|round_robin|kv_aware (default: %(default)s)")
+                   help="kvflow[:PROFILE], sglang:cache_aware|round_robin, vllm-router:cache_aware|round_robin|kv_aware, "
+                        "oracle (the oracle's placements sent straight to the pods; default: %(default)s)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     p.add_argument("--factors", nargs="+", type=float, default=[0.5, 0.75, 1.0, 1.25],
                    help="rates as multiples of round-robin's saturation rate on the replay")
