@@ -1,9 +1,9 @@
 """An open-loop, streaming load generator on aiohttp.
 
 Sends a ``Trace`` to one OpenAI ``/v1/completions`` URL (or each request to a URL of its own):
-each request at its time whatever the
-others are doing (a follow-up turn right after its previous turn's answer plus the think time),
-streamed, with the time of the first and the last token. Bodies are encoded before the clock
+each request at its time whatever the others are doing (a follow-up turn right after its
+previous turn's answer plus the think time), streamed, with the time of the first and the last
+token. Bodies are encoded before the clock
 starts, the collector leaves the process's older objects alone while it runs, and the
 generator's own CPU time and how late it sent are measured, so a run can show the client was
 not the bottleneck.
