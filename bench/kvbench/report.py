@@ -19,13 +19,14 @@ LIVE_ORACLE = "oracle (live)"
 BOUND = "bound"
 REPLAY_RR = "round-robin (replay)"
 REPLAY_KVFLOW = "kvflow default (replay)"
-REPLAY_STYLES: dict[str, dict[str, object]] = {
+STYLES: dict[str, dict[str, object]] = {
     ORACLE: {"linestyle": "--", "color": "black"},
     BOUND: {"linestyle": ":", "color": "black"},
     REPLAY_RR: {"linestyle": "--", "color": "grey"},
     REPLAY_KVFLOW: {"linestyle": "--", "color": "tab:red"},
+    LIVE_ORACLE: {"linestyle": "-", "color": "black", "linewidth": 1.0},
 }
-LIVE_ORACLE_STYLE: dict[str, object] = {"linestyle": "-", "color": "black", "linewidth": 1.0}
+"""Rows drawn in a style of their own: the replay's dashed or dotted, the live oracle thin black."""
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 """Measured routers other than kvflow's headline (red, its replay dashed red)."""
 
@@ -271,11 +272,9 @@ def plot(rows: Sequence[Row], title: str, path: Path) -> None:
             style: dict[str, object] = {"linestyle": "-", "linewidth": 1.5}
             if name == "kvflow default":
                 style |= {"linewidth": 2.5, "color": "tab:red"}
-            elif name == LIVE_ORACLE:
-                style |= LIVE_ORACLE_STYLE
-            elif name not in REPLAY_STYLES:
+            elif name not in STYLES:
                 style["color"] = next(palette, None)
-            style |= REPLAY_STYLES.get(name, {})
+            style |= STYLES.get(name, {})
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, **style)
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_ylabel(label)
