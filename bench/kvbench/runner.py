@@ -119,18 +119,18 @@ def proc_cpu_seconds(pid: int) -> float:
     return total
 
 
-async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Sequence[str], pid: int | None,
+async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Sequence[str], pids: Sequence[int],
                   trace: Trace, fleet: Sequence[podlib.Pod], opts: Options) -> report.Row:
     """One run of ``trace`` sent to ``url`` (one URL per request for the live oracle), and its
-    row; ``pid``: the router process whose CPU is counted (None: no router)."""
+    row; ``pids``: the router's processes, whose CPU is counted (none: no router)."""
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await podlib.wait_idle(session, fleet)
         await podlib.reset(session, fleet)
         before = await podlib.counters(session, fleet)
-        cpu0, t0 = proc_cpu_seconds(pid) if pid else 0.0, time.monotonic()
+        cpu0, t0 = sum(map(proc_cpu_seconds, pids)), time.monotonic()
         run = await loadgen.run(url, trace, model=podlib.MODEL)
-        router_cpu = (proc_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) if pid else math.nan
+        router_cpu = (sum(map(proc_cpu_seconds, pids)) - cpu0) / (time.monotonic() - t0) if pids else math.nan
         load_avg = os.getloadavg()[0]
         if not await podlib.wait_idle(session, fleet):
             log(opts, f"  warning: pods still busy 60 s after {spec.name}'s run; its counters may miss requests")
@@ -177,18 +177,18 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
                 for rate in rates:
                     assert min(outcome.placements[rate], default=0) >= 0, "the oracle places every request"
                     urls = [f"{fleet[pod].url}/v1/completions" for pod in outcome.placements[rate]]
-                    outcome.rows.append(await measure(workload, spec, urls, None, traces[rate], fleet, opts))
+                    outcome.rows.append(await measure(workload, spec, urls, [], traces[rate], fleet, opts))
                 continue
             port = free_port("127.0.0.1")
             try:
-                argv = routers.argv(spec, fleet, port, log_dir)
+                procs = routers.processes(spec, fleet, port, log_dir)
             except routers.Skip as exc:
                 outcome.skipped.append(f"{spec.name}: {exc}")
                 log(opts, f"  skipping {spec.name}: {exc}")
                 continue
-            child = group.start(spec.name.replace(" ", "-"), argv, ready_url=f"http://127.0.0.1:{port}/health")
+            children = [group.start(p.name, p.argv, ready_url=p.ready_url) for p in procs]
             try:
-                await asyncio.to_thread(group.wait_ready, 120, [child])
+                await asyncio.to_thread(group.wait_ready, 120, children)
             except StartupError as exc:
                 outcome.skipped.append(f"{spec.name}: did not start: {str(exc)[:300]}")
                 log(opts, f"  skipping {spec.name}: did not start: {exc}")
@@ -196,7 +196,8 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
             await asyncio.sleep(opts.settle)
             for rate in rates:
                 url = f"http://127.0.0.1:{port}/v1/completions"
-                outcome.rows.append(await measure(workload, spec, url, child.popen.pid, traces[rate], fleet, opts))
+                outcome.rows.append(await measure(workload, spec, url, [c.popen.pid for c in children], traces[rate],
+                                                  fleet, opts))
     outcome.rows = [replace(r, seed=opts.seed) for r in outcome.rows]
     return outcome
 

@@ -1,7 +1,7 @@
 """The routing benchmark's harness measures what it says, on a tiny workload.
 
-Two simulated pods, kvflow's gateway (default profile, then round-robin) and sglang-router's
-``cache_aware`` where it is installed, a few seconds of open-loop shared-prefix traffic. Every
+Two simulated pods, kvflow's gateway (default profile, then round-robin), kvflow's router behind
+a real Envoy, and sglang-router's ``cache_aware`` where it is installed, a few seconds of open-loop shared-prefix traffic. Every
 request must be answered in full, the hit rates and the per-pod counts must come from the pods'
 own counters, and no router may beat the provable bound. ``bench/bench_routing.py`` runs the
 real sizes.
@@ -21,7 +21,7 @@ from kvflow.sim.profiles import get_profile
 
 
 async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path: Path) -> None:
-    names = ["kvflow", "kvflow:round-robin"] + (["sglang:cache_aware"] if routers.binary("sglang") else [])
+    names = ["kvflow", "kvflow:round-robin", "kvflow-envoy"] + (["sglang:cache_aware"] if routers.binary("sglang") else [])
     outcome = await bench_workload(SMOKE, names, Options(duration=2.0, rates=(6.0,), settle=0.5, log_dir=tmp_path, verbose=False))
 
     assert outcome.skipped == []
@@ -45,6 +45,10 @@ async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path
     for name in measured:
         pod_logs = list((tmp_path / SMOKE.name / name.replace(" ", "-").replace(":", "-")).glob("pod-*"))
         assert len(pod_logs) == SMOKE.decode_pods, (name, pod_logs)
+    # behind Envoy, the router answers Envoy's ext_proc calls: two processes, both counted
+    envoy_logs = sorted(p.name for p in (tmp_path / SMOKE.name / "kvflow-envoy-default").glob("*.log"))
+    assert [n for n in envoy_logs if not n.startswith("pod-")] == ["envoy.log", "kvflow-router.log"]
+    assert measured["kvflow-envoy default"].router_cpu > 0
     png = tmp_path / "smoke.png"
     report.plot(outcome.rows, "smoke", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -52,11 +56,12 @@ async def test_every_router_answers_everything_and_none_beats_the_bound(tmp_path
 
 async def test_a_router_that_cannot_drive_the_workload_is_skipped_before_its_pods_start(tmp_path: Path) -> None:
     pd_smoke = replace(SMOKE, name="smoke-pd", decode_pods=1, prefill_pods=1)
-    outcome = await bench_workload(pd_smoke, ["sglang:cache_aware"],
+    outcome = await bench_workload(pd_smoke, ["sglang:cache_aware", "kvflow-envoy"],
                                    Options(duration=1.0, rates=(4.0,), log_dir=tmp_path, verbose=False))
 
-    assert [s.split(":")[0] for s in outcome.skipped] == ["sglang cache_aware"]
+    assert [s.split(":")[0] for s in outcome.skipped] == ["sglang cache_aware", "kvflow-envoy default"]
     assert "bootstrap protocol" in outcome.skipped[0]
+    assert "sidecar" in outcome.skipped[1]
     assert not any(r.measured for r in outcome.rows)  # the replays still ran; nothing was measured
     assert list(tmp_path.rglob("pod-*")) == []  # and no pod was started for it
 
