@@ -9,14 +9,18 @@ real sizes.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from kvbench import oracle, report, routers
+from kvbench.pods import Pod
 from kvbench.runner import Options, bench_workload, words
 from kvbench.workloads import SMOKE, Trace, TraceRequest, multi_turn, sim_answer
 
+from kvflow.endpoints import Endpoint
 from kvflow.sim.profiles import get_profile
 
 
@@ -86,6 +90,34 @@ async def test_the_live_oracle_sends_every_request_where_the_replay_placed_it_an
     pd_smoke = replace(SMOKE, name="smoke-pd", decode_pods=1, prefill_pods=1)
     pd = await bench_workload(pd_smoke, ["oracle"], Options(duration=1.0, rates=(4.0,), log_dir=tmp_path, verbose=False))
     assert [s.split(":")[0] for s in pd.skipped] == ["oracle (live)"]  # the replay has no P/D placements
+
+
+def test_kvflow_behind_envoy_takes_kvflows_profiles_and_points_envoy_at_its_router_and_the_pods(tmp_path: Path) -> None:
+    assert routers.RouterSpec.parse("kvflow-envoy").name == "kvflow-envoy default"
+    spec = routers.RouterSpec.parse("kvflow-envoy:round-robin")
+    assert spec.name == "kvflow-envoy round-robin"
+    with pytest.raises(ValueError, match="kvflow profiles"):
+        routers.RouterSpec.parse("kvflow-envoy:cache_aware")
+    pods = [Pod(Endpoint(f"127.0.0.{i}", 9000), "both", f"tcp://127.0.0.{i}:9100") for i in (2, 3)]
+
+    router, envoy = routers.processes(spec, pods, 8123, tmp_path)  # starts nothing
+
+    assert (router.name, envoy.name) == ("kvflow-router", "envoy")
+    args = router.argv[router.argv.index("router") + 1:]
+    assert args[args.index("--profile") + 1] == "round-robin" and "--no-secure-serving" in args
+    config = json.loads(Path(args[args.index("--config") + 1]).read_text())
+    assert [e["kvEvents"] for e in config["pool"]["endpoints"]] == [p.kv_events for p in pods]
+    bootstrap = json.loads((tmp_path / "envoy.json").read_text())
+    [listener] = bootstrap["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"]["port_value"] == 8123
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    addresses = {name: [e["endpoint"]["address"]["socket_address"] for e in c["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+                 for name, c in clusters.items() if "load_assignment" in c}
+    assert addresses["router"] == [{"address": "127.0.0.1", "port_value": int(args[args.index("--port") + 1])}]
+    assert addresses["fallback"] == [{"address": p.endpoint.host, "port_value": 9000} for p in pods]
+    assert envoy.argv[1:3] == ["-c", str(tmp_path / "envoy.json")]
+    with pytest.raises(ValueError, match="two processes"):
+        routers.argv(spec, pods, 8123, tmp_path)
 
 
 def test_the_pods_are_warmed_with_every_word_of_the_traces_once() -> None:
