@@ -436,10 +436,11 @@ def idle(args: argparse.Namespace) -> None:
 
 
 def render_cost(metrics: Any) -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client import generate_latest
 
-    reference = CollectorRegistry(auto_describe=False)
-    reference.register(metrics.runtime)
+    from kvflow.sim.metrics import runtime_registry
+
+    reference = runtime_registry()  # prometheus_client's own collectors, as the render used to use them
     reference.register(metrics.registry)
 
     def cpu_ms(f: Any, n: int = 200) -> float:

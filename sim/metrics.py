@@ -19,7 +19,8 @@ vLLM's output processor (``OutputProcessor.abort_requests`` records no finished 
 counts in none of the per-request families; here the engine does not call ``on_finished`` for it.
 
 The ``vllm:*`` and ``http_*`` families live in ``kvflow.exposition`` (cheap to update,
-sub-millisecond to render); the runtime families come from prometheus_client's own collectors.
+sub-millisecond to render), and so do the runtime families (``Runtime``: what prometheus_client's
+GC, platform and process collectors export, read and written on the fast path).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvflow.exposition import Counter, CounterChild, Gauge, Histogram, HistogramChild, Registry
+from kvflow.exposition import Counter, CounterChild, Gauge, Histogram, HistogramChild, Registry, Runtime
 from kvflow.sim.http_metrics import HttpMetrics
 from kvflow.sim.request import SimRequest
 
@@ -118,7 +119,8 @@ class EngineGauges:
 
 
 def runtime_registry() -> CollectorRegistry:
-    """prometheus_client's process/python collectors, in the order vLLM's registry lists them."""
+    """prometheus_client's process/python collectors, in the order vLLM's registry lists them
+    (what ``Runtime`` renders on the fast path; ``kvflow bench observe`` compares the two)."""
     registry = CollectorRegistry(auto_describe=False)
     GCCollector(registry=registry)
     PlatformCollector(registry=registry)
@@ -131,7 +133,7 @@ class SimMetrics:
                  max_loras: int | None = None, runtime: bool = True) -> None:
         self.model_name = model_name
         self.registry = r = Registry()
-        self.runtime = runtime_registry() if runtime else None
+        self.runtime = Runtime() if runtime else None
         names = ["model_name", "engine"]
         values = [model_name, "0"]
         self._max_loras = max_loras
@@ -266,8 +268,8 @@ class SimMetrics:
 
     def render(self) -> bytes:
         self.refresh()
-        head = generate_latest(self.runtime) if self.runtime is not None else b""
-        return head + self.registry.render().encode()
+        head = self.runtime.render() if self.runtime is not None else ""
+        return (head + self.registry.render()).encode()
 
     def _advance(self, counter: CounterChild, key: str, total: float) -> None:
         """Counters mirror the scheduler's running totals (the scheduler knows no Prometheus)."""

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import random
+from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvflow.exposition import Counter, Gauge, Histogram, Registry, Summary
+from kvflow.exposition import (
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessSample,
+    Registry,
+    Runtime,
+    RuntimeSample,
+    Summary,
+    count_text,
+    fmt,
+    render_runtime,
+    runtime_families,
+)
 
 TRICKY = ["plain", 'quo"te', "back\\slash", "new\nline", "ünïcode", ""]
 
@@ -115,3 +131,55 @@ def test_a_group_with_its_own_fast_render_renders_in_its_place() -> None:
     r.register(nixl)
     assert r.render().encode() == reference(r)
     assert 'vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 4096.0' in r.render()
+
+
+@pytest.mark.parametrize("n", [0, 1, 42, 999_999, 1_000_000, 1_234_567, 10**15, 10**17 + 3])
+def test_a_count_is_written_as_prometheus_writes_its_float(n: int) -> None:
+    assert count_text(n) == fmt(float(n))
+
+
+# -- the process and Python families ---------------------------------------------------------------
+SAMPLES = [
+    RuntimeSample(((1605, 0, 107), (247, 3, 9), (0, 0, 0)),
+                  ProcessSample(1.71835392e8, 5.228544e7, 1.79601047304e9, 0.74, 6.0, 20000.0)),
+    RuntimeSample(((0, 0, 0),) * 3, ProcessSample(0.0, 4096.0, 1.5, 123456.789, 1.0, math.inf)),  # no fd limit
+    RuntimeSample(((12, 0, 1),) * 3, None),  # no /proc: no process families
+]
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_the_runtime_families_render_as_generate_latest_renders_them(sample: RuntimeSample) -> None:
+    runtime = Runtime()
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(type("Fixed", (), {"collect": lambda self: runtime_families(sample, runtime.python_info)})())
+
+    assert render_runtime(sample, runtime.python_info_text) == generate_latest(prom).decode()
+
+
+def test_the_runtime_families_read_what_prometheus_clients_collectors_read() -> None:
+    prom = CollectorRegistry(auto_describe=False)
+    for collector in (GCCollector, PlatformCollector, ProcessCollector):
+        collector(registry=prom)
+
+    theirs = {f.name: f for f in text_string_to_metric_families(generate_latest(prom).decode())}
+    ours = {f.name: f for f in text_string_to_metric_families(Runtime().render())}
+
+    assert list(ours) == list(theirs)  # the same families, in the same order
+    for name in ours:
+        assert (ours[name].type, ours[name].documentation) == (theirs[name].type, theirs[name].documentation)
+        assert [s.labels for s in ours[name].samples] == [s.labels for s in theirs[name].samples]
+    value = {name: f.samples[0].value for name, f in ours.items()}
+    for name in ("python_info", "process_start_time_seconds", "process_max_fds", "process_open_fds"):
+        assert value[name] == theirs[name].samples[0].value, name
+    for name in ("process_virtual_memory_bytes", "process_resident_memory_bytes", "process_cpu_seconds"):
+        assert value[name] == pytest.approx(theirs[name].samples[0].value, rel=0.05, abs=0.05), name
+
+
+def test_without_proc_the_process_families_are_left_out_as_prometheus_client_leaves_them(tmp_path: Path) -> None:
+    prom = CollectorRegistry(auto_describe=False)
+    ProcessCollector(proc=str(tmp_path), registry=prom)
+    assert generate_latest(prom) == b""
+
+    names = [f.name for f in text_string_to_metric_families(Runtime(proc=str(tmp_path)).render())]
+    assert names == ["python_gc_objects_collected", "python_gc_objects_uncollectable", "python_gc_collections",
+                     "python_info"]
