@@ -1,10 +1,10 @@
 """The routing benchmark's harness measures what it says, on a tiny workload.
 
 Two simulated pods, kvflow's gateway (default profile, then round-robin), kvflow's router behind
-a real Envoy, and sglang-router's ``cache_aware`` where it is installed, a few seconds of open-loop shared-prefix traffic. Every
-request must be answered in full, the hit rates and the per-pod counts must come from the pods'
-own counters, and no router may beat the provable bound. ``bench/bench_routing.py`` runs the
-real sizes.
+a real Envoy, and sglang-router's ``cache_aware`` where it is installed, a few seconds of
+open-loop shared-prefix traffic. Every request must be answered in full, the hit rates and the
+per-pod counts must come from the pods' own counters, and no router may beat the provable bound.
+``bench/bench_routing.py`` runs the real sizes.
 """
 
 from __future__ import annotations
