@@ -26,7 +26,8 @@ from kvflow.gateway.app import Gateway, build_gateway
 from kvflow.gateway.cli import config_from_args, parser as gateway_parser
 from kvflow.gateway.http1 import ConnectError
 from kvflow.gateway.httpserver import Request
-from kvflow.gateway.server import load_auth, settle_heap
+from kvflow.gateway.server import load_auth
+from kvflow.heap import settle_heap
 
 ENV = "KVFLOW_LAYERS_ARGV"
 

@@ -31,7 +31,8 @@ from kvflow.gateway.httpserver import Request, Responder
 from kvflow.gateway.pd import decode_body, encode, prefill
 from kvflow.gateway.proxy import AttemptFailed, Exchange, Upstream, send_error, stream_response, try_targets, \
     whole_response
-from kvflow.gateway.server import limits_of, listen, settle_heap
+from kvflow.gateway.server import limits_of, listen
+from kvflow.heap import settle_heap
 from kvflow.endpoints import Endpoint, parse_host_port
 from kvflow.routing_headers import PREFILLER, strip_client_routing
 

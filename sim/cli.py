@@ -22,6 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvflow.hashing import HASH_ALGOS, VLLM_UNSET_SEED
+from kvflow.heap import settle_heap
 from kvflow.sim.clock import Clock, MonotonicClock
 from kvflow.sim.engine import Engine
 from kvflow.sim.events import ZmqPublisher
@@ -188,6 +189,7 @@ async def serve(args: argparse.Namespace) -> None:
     # a short shutdown grace: a stalled stream (fault injection) must not hold up SIGTERM
     site = web.TCPSite(runner, args.host, args.port, backlog=1024, shutdown_timeout=1.0)
     await site.start()
+    settle_heap()  # a full collection of the startup heap would stall the engine's timeline (~80 ms)
     log.warning("kvflow sim serving %s on http://%s:%d (profile %s)", ",".join(state.served_names),
                 args.host, args.port, args.profile)
     stop = asyncio.Event()
