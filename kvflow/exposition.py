@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import os
-import platform
 import re
 import resource
 import time
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import ClassVar, Generic, Protocol, TypeVar
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, PlatformCollector, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -383,41 +382,31 @@ _PROCESS = (
     ("process_open_fds", "Number of open file descriptors.", "gauge"),
     ("process_max_fds", "Maximum number of open file descriptors.", "gauge"),
 )
-_PYTHON_INFO = ("python_info", "Python platform information")
-
-
-def python_info_labels() -> dict[str, str]:
-    """``python_info``'s labels, as prometheus_client's ``PlatformCollector`` sets them on CPython."""
-    major, minor, patchlevel = platform.python_version_tuple()
-    return {"implementation": platform.python_implementation(), "major": major, "minor": minor,
-            "patchlevel": patchlevel, "version": platform.python_version()}
-
-
-def render_runtime(sample: RuntimeSample, python_info: str) -> str:
+def render_runtime(sample: RuntimeSample, platform: str) -> str:
     """The families prometheus_client's GC, platform and process collectors export (vLLM's
-    /metrics begins with them), in their order and text; ``python_info``: its rendered family."""
+    /metrics begins with them), in their order and text; ``platform``: the platform collector's
+    text (``python_info``, fixed for the process)."""
     out: list[str] = []
     for i, (name, doc) in enumerate(_GC):
         out.append(_head(name + "_total", doc, "counter"))
         out.extend(f'{name}_total{{generation="{gen}"}} {fmt(counts[i])}\n' for gen, counts in enumerate(sample.gc))
-    out.append(python_info)
+    out.append(platform)
     if sample.process is not None:
         for (name, doc, kind), value in zip(_PROCESS, _process_values(sample.process), strict=True):
             out.append(f"{_head(name, doc, kind)}{name} {fmt(value)}\n")
     return "".join(out)
 
 
-def runtime_families(sample: RuntimeSample, python_info: dict[str, str]) -> list[Metric]:
-    """The same families as prometheus_client's metric objects (what its collectors yield)."""
+def runtime_families(sample: RuntimeSample, platform: Iterable[Metric]) -> list[Metric]:
+    """The same families as prometheus_client's metric objects (what its collectors yield);
+    ``platform``: the platform collector's."""
     out: list[Metric] = []
     for i, (name, doc) in enumerate(_GC):
         family = CounterMetricFamily(name, doc, labels=["generation"])
         for gen, counts in enumerate(sample.gc):
             family.add_metric([str(gen)], counts[i])
         out.append(family)
-    info = GaugeMetricFamily(_PYTHON_INFO[0], _PYTHON_INFO[1], labels=list(python_info))
-    info.add_metric(list(python_info.values()), 1)
-    out.append(info)
+    out.extend(platform)
     if sample.process is not None:
         for (name, doc, kind), value in zip(_PROCESS, _process_values(sample.process), strict=True):
             metric = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -435,8 +424,9 @@ class Runtime:
 
     prometheus_client's collectors build every sample anew and read three /proc files a scrape
     (~0.4 ms, most of a simulated pod's render); this reads ``/proc/self/stat`` and counts
-    ``/proc/self/fd``, the numbers prometheus_client reads there, and writes lines whose
-    ``python_info`` and heads are fixed. ``collect()`` yields the same families as metric
+    ``/proc/self/fd``, the numbers prometheus_client reads there, and writes lines whose heads
+    are fixed; ``python_info``, which never changes, is prometheus_client's own platform
+    collector rendered once. ``collect()`` yields the same families as metric
     objects, so ``generate_latest`` renders the same text."""
 
     def __init__(self, proc: str = "/proc") -> None:
@@ -444,8 +434,10 @@ class Runtime:
         self._ticks = float(os.sysconf("SC_CLK_TCK"))
         self._pagesize = float(resource.getpagesize())
         self._btime = self._boot_time()
-        self.python_info = python_info_labels()
-        self.python_info_text = _head(*_PYTHON_INFO, "gauge") + f"python_info{label_text(self.python_info.items())} 1.0\n"
+        platform = CollectorRegistry(auto_describe=False)
+        PlatformCollector(registry=platform)
+        self.platform = list(platform.collect())
+        self.platform_text = generate_latest(platform).decode()
 
     def _boot_time(self) -> float:
         try:
@@ -474,7 +466,7 @@ class Runtime:
                              INF if soft == resource.RLIM_INFINITY else float(soft))
 
     def render(self) -> str:
-        return render_runtime(self.sample(), self.python_info_text)
+        return render_runtime(self.sample(), self.platform_text)
 
     def collect(self) -> list[Metric]:
-        return runtime_families(self.sample(), self.python_info)
+        return runtime_families(self.sample(), self.platform)

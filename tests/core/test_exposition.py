@@ -151,9 +151,9 @@ SAMPLES = [
 def test_the_runtime_families_render_as_generate_latest_renders_them(sample: RuntimeSample) -> None:
     runtime = Runtime()
     prom = CollectorRegistry(auto_describe=False)
-    prom.register(type("Fixed", (), {"collect": lambda self: runtime_families(sample, runtime.python_info)})())
+    prom.register(type("Fixed", (), {"collect": lambda self: runtime_families(sample, runtime.platform)})())
 
-    assert render_runtime(sample, runtime.python_info_text) == generate_latest(prom).decode()
+    assert render_runtime(sample, runtime.platform_text) == generate_latest(prom).decode()
 
 
 def test_the_runtime_families_read_what_prometheus_clients_collectors_read() -> None:
