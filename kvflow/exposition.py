@@ -382,18 +382,24 @@ _PROCESS = (
     ("process_open_fds", "Number of open file descriptors.", "gauge"),
     ("process_max_fds", "Maximum number of open file descriptors.", "gauge"),
 )
+_GC_LINES = tuple((_head(name + "_total", doc, "counter"), f'{name}_total{{generation="') for name, doc in _GC)
+"""Per GC family: its head, and the start of a generation's line (written once)."""
+_PROCESS_LINES = tuple(f"{_head(name, doc, kind)}{name} " for name, doc, kind in _PROCESS)
+"""Per process family: its head and the start of its one line (written once)."""
+
+
 def render_runtime(sample: RuntimeSample, platform: str) -> str:
     """The families prometheus_client's GC, platform and process collectors export (vLLM's
     /metrics begins with them), in their order and text; ``platform``: the platform collector's
     text (``python_info``, fixed for the process)."""
     out: list[str] = []
-    for i, (name, doc) in enumerate(_GC):
-        out.append(_head(name + "_total", doc, "counter"))
-        out.extend(f'{name}_total{{generation="{gen}"}} {fmt(counts[i])}\n' for gen, counts in enumerate(sample.gc))
+    for i, (head, line) in enumerate(_GC_LINES):
+        out.append(head)
+        out.extend(f'{line}{gen}"}} {fmt(counts[i])}\n' for gen, counts in enumerate(sample.gc))
     out.append(platform)
     if sample.process is not None:
-        for (name, doc, kind), value in zip(_PROCESS, _process_values(sample.process), strict=True):
-            out.append(f"{_head(name, doc, kind)}{name} {fmt(value)}\n")
+        out.extend(line + fmt(value) + "\n" for line, value in zip(_PROCESS_LINES, _process_values(sample.process),
+                                                                    strict=True))
     return "".join(out)
 
 
