@@ -99,6 +99,9 @@ class KvEventsSpec(_Strict):
     """Each pod publishes on ``tcp://<pod host>:<port>`` (vLLM binds, the router connects)."""
     speculative_ttl: float = Field(default=2.0, alias="speculativeTtlSeconds", ge=0)
     """How long a routed request's blocks count as cached before KV events confirm them (0: off)."""
+    predict_evictions: bool = Field(default=True, alias="predictEvictions")
+    """Count a prefix as gone from a pod once a cacheful of other blocks was sent there after it
+    (the pod's cache is LRU), before the pod's ``BlockRemoved`` says so (``WorkingSet.surviving``)."""
     data_parallel_size: int = Field(default=1, alias="dataParallelSize", ge=1, le=64)
     """Data-parallel ranks per pod: vLLM publishes each rank's events on ``port + rank``."""
 
@@ -216,6 +219,10 @@ class RouterConfig(_Strict):
     @property
     def speculative_ttl(self) -> float:
         return self.kv_events.speculative_ttl
+
+    @property
+    def predict_evictions(self) -> bool:
+        return self.kv_events.predict_evictions
 
     @property
     def kv_events_ranks(self) -> int:

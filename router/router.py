@@ -102,7 +102,10 @@ class Router:
         self.precise = PrefixIndex(fingerprinter=self.fingerprinter)
         self.speculative = SpeculativeIndex(config.speculative_ttl)
         self.event_sources: set[EndpointId] = set()
-        ctx = PluginContext(self.approx, self.precise, self.speculative, self.event_sources, config.step_tokens)
+        ctx = PluginContext(
+            self.approx, self.precise, self.speculative, self.event_sources, config.step_tokens,
+            config.predict_evictions,
+        )
         self.profiles, plugins = build_profiles(config, ctx)
         if profile not in self.profiles:
             raise ValueError(f"unknown profile {profile!r} (profiles: {', '.join(sorted(self.profiles))})")

@@ -14,10 +14,15 @@ sample of any set of blocks, shared prefixes counted once however many requests 
 The sample is an ordered dict in touch order (oldest first), expired from the front when a
 request is sent to the pod and when the pod is scraped. A request sent costs one dict operation
 per sampled block (32 for an 8,192-token prompt at one in 16); a decision reads one number.
+
+The same sample, in touch order, gives a block's place in the pod's LRU order: ``surviving``
+cuts a prefix the KV events still report where a cacheful of other blocks was sent after it,
+before the pod's ``BlockRemoved`` arrives.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -56,6 +61,27 @@ class WorkingSet:
         while touched and next(iter(touched.values())) < since:
             touched.popitem(last=False)
         self.tokens = len(touched) * self._scale
+
+    def surviving(self, fingerprints: np.ndarray, capacity: int) -> int:
+        """How many leading blocks of ``fingerprints`` (a prefix the pod is believed to hold)
+        are still there when a request sent now runs, the pod's cache being least-recently-used.
+
+        A block is evicted once ``capacity`` tokens of other blocks were touched after it (its
+        LRU stack distance; the requests sent since are counted, computed or still queued,
+        since a request sent now runs after them). A sampled block's distance is the sample
+        touched after it; the prefix is cut at its first sampled block that is that far down.
+        A block this router has not touched in the window is left as believed: another router
+        may have sent it lately."""
+        touched = self._touched
+        if len(touched) * self._scale < capacity:
+            return len(fingerprints)  # fewer tokens touched than the cache holds: nothing pushed out
+        times = list(touched.values())  # touch order is time order: ascending
+        n, limit = len(times), capacity / self._scale
+        for i in np.flatnonzero((fingerprints & self._mask) == 0).tolist():
+            t = touched.get(int(fingerprints[i]))
+            if t is not None and n - bisect_right(times, t) >= limit:
+                return i
+        return len(fingerprints)
 
     def clear(self) -> None:
         self._touched.clear()

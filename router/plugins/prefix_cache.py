@@ -2,9 +2,10 @@
 
 ``prefix-cache-scorer`` reads the approximate index (what the router routed, LRU-bounded);
 ``precise-prefix-cache-scorer`` reads the index fed by the pods' KV events, topped up with
-what the router routed in the last seconds and no event has confirmed yet; for a pod that has
-never sent a KV event (publishing off, or not connected yet) it uses the approximate index
-instead of believing the pod's cache empty. Both leave their matches (blocks per endpoint) in
+what the router routed in the last seconds and no event has confirmed yet, and cut where the
+router has since sent the pod a cacheful of other blocks (its LRU cache evicted the rest, though
+no ``BlockRemoved`` has said so yet); for a pod that has never sent a KV event (publishing off, or
+not connected yet) it uses the approximate index instead of believing the pod's cache empty. Both leave their matches (blocks per endpoint) in
 ``cycle.data`` so the P/D decider and the result's ``cached_tokens`` reuse them.
 
 The precise scorer also keeps a group *at home*: where the pods' caches no longer hold a
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
+import numpy as np
 from pydantic import Field
 
 from kvflow.router.framework import Cycle
@@ -52,7 +54,24 @@ def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[Endpoi
         for eid in deaf:
             if approx.get(eid, 0) > found.get(eid, 0):
                 found[eid] = approx[eid]
+    if found and ctx.predict_evictions and "prefix:evictions" not in cycle.data:
+        cycle.data["prefix:evictions"] = _cut_evicted(found, cycle.hashes.array, endpoints)
     return found
+
+
+def _cut_evicted(found: dict[EndpointId, int], keys: np.ndarray, endpoints: Sequence[EndpointView]) -> int:
+    """Cut each candidate's match where its LRU cache has been filled since by other blocks
+    this router sent there (``WorkingSet.surviving``): the pod evicted the rest, or will before
+    a request sent now runs, though its ``BlockRemoved`` has not arrived. How many were cut."""
+    cut = 0
+    for ep in endpoints:
+        n = found.get(ep.id)
+        if n and (capacity := ep.counter.kv_capacity):
+            kept = ep.counter.working_set.surviving(keys[:n], capacity)
+            if kept < n:
+                found[ep.id] = kept
+                cut += 1
+    return cut
 
 
 @register("prefix-cache-scorer", "scorer")

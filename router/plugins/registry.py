@@ -39,6 +39,9 @@ class PluginContext:
     to the approximate index rather than assume an empty cache."""
     step_tokens: int = 256
     """An engine step's fixed cost in prompt tokens of prefill work (``RouterConfig.step_tokens``)."""
+    predict_evictions: bool = True
+    """Cut a pod's precise match where its LRU cache has since been filled by other blocks sent
+    there (``RouterConfig.predict_evictions``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,3 +79,57 @@ def test_the_router_counts_what_it_sends_to_a_pod_in_its_working_set() -> None:
     now[0] = 6.0
     router.datastore.record_scrape(result.targets[0].id, EngineMetrics(num_blocks=10_000, block_size=16), 6.0)
     assert sent.working_set.tokens == 0 and sent.room == 160_000
+
+
+def first_sampled(keys: np.ndarray) -> int:
+    return int(np.flatnonzero((keys & np.uint64((1 << SAMPLE_BITS) - 1)) == 0)[0])
+
+
+def test_a_prefix_survives_until_a_cacheful_of_other_blocks_is_touched_after_it() -> None:
+    ws = WorkingSet(block_size=16, window=60.0)
+    capacity = 1000 * 16
+    prefix = blocks(200, seed=1)
+    ws.touch(blocks(1500, seed=2), now=0.0)  # older than the prefix: they are evicted first
+    ws.touch(prefix, now=1.0)
+    ws.touch(blocks(500, seed=3), now=2.0)  # half a cacheful after it
+    assert ws.tokens > capacity  # the pod is evicting...
+    assert ws.surviving(prefix, capacity) == 200  # ...but not this prefix yet
+    ws.touch(blocks(1000, seed=4), now=3.0)  # now a cacheful and a half
+    assert ws.surviving(prefix, capacity) == first_sampled(prefix)  # cut where the sample says it is gone
+    ws.touch(prefix, now=4.0)  # a request read it again: the most recently used
+    assert ws.surviving(prefix, capacity) == 200
+
+
+def test_nothing_is_evicted_while_fewer_tokens_than_the_cache_holds_were_touched() -> None:
+    ws = WorkingSet(block_size=16, window=60.0)
+    prefix = blocks(200, seed=1)
+    ws.touch(prefix, now=0.0)
+    ws.touch(blocks(500, seed=2), now=1.0)
+    assert ws.surviving(prefix, 1000 * 16) == 200
+
+
+def test_a_block_this_router_never_sent_is_left_as_the_pod_reports_it() -> None:
+    # Another router replica may have sent it a moment ago: this one cannot place it in the LRU order.
+    ws = WorkingSet(block_size=16, window=60.0)
+    ws.touch(blocks(3000, seed=2), now=0.0)
+    assert ws.surviving(blocks(200, seed=1), 1000 * 16) == 200
+
+
+@pytest.mark.parametrize("predict", [True, False])
+def test_the_router_counts_a_reported_prefix_as_evicted_once_a_cacheful_was_sent_after_it(predict: bool) -> None:
+    pod = Endpoint("127.0.0.2", 8000)
+    config = load_config({"kvEvents": {"predictEvictions": predict}})
+    router = Router(config, [pod], profile="prefix-precise")
+    router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=1000, block_size=16), 0.0)  # 16,000 tokens
+    router.event_sources.add(pod.id)
+    prompt = list(range(16 * 200))
+    keys = router.fingerprints(SchedulingRequest("p", "m", prompt)).array
+    router.precise.add(pod.id, keys.tolist())  # the pod's KV events report the whole prompt
+    counter = router.datastore.counter(pod.id)
+    assert counter is not None
+    counter.touched(keys, now=0.0)  # the router sent it there
+    assert router.schedule(SchedulingRequest("a", "m", prompt)).cached_tokens == 3200
+    counter.touched(blocks(1500, seed=2), now=1.0)  # then a cacheful and a half of other prompts
+    # no BlockRemoved yet: only the LRU order says the prompt is gone
+    expected = first_sampled(keys) * 16 if predict else 3200
+    assert router.schedule(SchedulingRequest("b", "m", prompt)).cached_tokens == expected
