@@ -42,6 +42,12 @@ class RouterMetrics:
         self.cached_tokens = Counter(
             "kvflow_router_cached_tokens", "Prompt tokens the router believed cached on its pick", ["pool"], registry=r
         )
+        self.evictions_predicted = Counter(
+            "kvflow_router_evictions_predicted",
+            "Pods whose reported prefix match a decision cut, the pod's LRU cache having been filled since",
+            ["pool"],
+            registry=r,
+        )
         self.hit_ratio = Gauge(
             "kvflow_router_prefix_hit_ratio", "Cached / prompt tokens over all decisions", ["pool"], registry=r
         )
@@ -74,6 +80,7 @@ class RouterMetrics:
         self._prompt_child = self.prompt_tokens.labels(pool)
         self._cached_child = self.cached_tokens.labels(pool)
         self._ratio_child = self.hit_ratio.labels(pool)
+        self.evictions_predicted_child = self.evictions_predicted.labels(pool)
         self._decision_children: dict[tuple[str, str], Any] = {}
         self._latency_children: dict[str, Any] = {}
 

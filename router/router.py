@@ -244,6 +244,8 @@ class Router:
         if len(self._pending) > 4096:
             self._pending.popitem(last=False)
         seconds = perf_counter() - started
+        if cut := cycle.data.get("prefix:evictions"):
+            self.metrics.evictions_predicted_child.inc(cut)
         self.metrics.decided(decision, seconds, len(request.token_ids))
         self.log.add(request, decision, seconds, hashes=cycle.hashes)
         return decision.result

@@ -4,9 +4,10 @@
 ``precise-prefix-cache-scorer`` reads the index fed by the pods' KV events, topped up with
 what the router routed in the last seconds and no event has confirmed yet, and cut where the
 router has since sent the pod a cacheful of other blocks (its LRU cache evicted the rest, though
-no ``BlockRemoved`` has said so yet); for a pod that has never sent a KV event (publishing off, or
-not connected yet) it uses the approximate index instead of believing the pod's cache empty. Both leave their matches (blocks per endpoint) in
-``cycle.data`` so the P/D decider and the result's ``cached_tokens`` reuse them.
+no ``BlockRemoved`` has said so yet; ``kvflow_router_evictions_predicted_total`` counts the cuts);
+for a pod that has never sent a KV event (publishing off, or not connected yet) it uses the
+approximate index instead of believing the pod's cache empty. Both leave their matches (blocks
+per endpoint) in ``cycle.data`` so the P/D decider and the result's ``cached_tokens`` reuse them.
 
 The precise scorer also keeps a group *at home*: where the pods' caches no longer hold a
 prefix, the pod the router last sent it to still scores ``homeWeight`` times its approximate

@@ -10,7 +10,8 @@ One estimate weighs cache against load, in one unit (prompt tokens of prefill wo
   tokens seen (``LoadCounter.queued``), plus other routers' waiting requests as last scraped,
   each counted at the mean work of this router's own;
 * ``uncached``: the prompt tokens the pod does not hold (the precise prefix index with recently
-  routed blocks, or the approximate one for a pod that sends no KV events);
+  routed blocks, cut where the pod's LRU cache has evicted since, or the approximate one for a
+  pod that sends no KV events; ``plugins.prefix_cache``);
 * ``copied``: prompt tokens another pod holds and this one would compute again: the capacity a
   new copy of a prefix takes from every later request (the request's own wait for it is already
   in ``uncached``), so a prefix is copied when its home is busy, not when two of its requests

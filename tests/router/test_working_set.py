@@ -133,3 +133,5 @@ def test_the_router_counts_a_reported_prefix_as_evicted_once_a_cacheful_was_sent
     # no BlockRemoved yet: only the LRU order says the prompt is gone
     expected = first_sampled(keys) * 16 if predict else 3200
     assert router.schedule(SchedulingRequest("b", "m", prompt)).cached_tokens == expected
+    cuts = router.metrics.registry.get_sample_value("kvflow_router_evictions_predicted_total", {"pool": "default"})
+    assert cuts == (1 if predict else 0)
