@@ -22,9 +22,9 @@ before the pod's ``BlockRemoved`` arrives.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 import numpy as np
 
@@ -33,7 +33,7 @@ SAMPLE_BITS = 4
 
 
 class WorkingSet:
-    __slots__ = ("window", "tokens", "_mask", "_scale", "_touched")
+    __slots__ = ("window", "tokens", "_mask", "_scale", "_touched", "_horizon")
 
     def __init__(self, block_size: int = 16, window: float = DEFAULT_WINDOW, sample_bits: int = SAMPLE_BITS) -> None:
         self.window = window
@@ -44,6 +44,9 @@ class WorkingSet:
         """Tokens each sampled block stands for."""
         self._touched: OrderedDict[int, float] = OrderedDict()
         """Sampled fingerprint -> when it was last touched, oldest first."""
+        self._horizon: tuple[int, float] | None = None
+        """``surviving``'s (k, touch time of the k-th most recently touched sample), until the
+        next touch or expiry."""
 
     def touch(self, fingerprints: np.ndarray | Sequence[int], now: float) -> None:
         """A request that reads or stores these prompt blocks was sent to the pod at ``now``."""
@@ -53,6 +56,7 @@ class WorkingSet:
             for key in keys[(keys & self._mask) == 0].tolist():
                 touched[key] = now
                 touched.move_to_end(key)
+            self._horizon = None
         self.expire(now)
 
     def expire(self, now: float) -> None:
@@ -60,6 +64,7 @@ class WorkingSet:
         touched, since = self._touched, now - self.window
         while touched and next(iter(touched.values())) < since:
             touched.popitem(last=False)
+            self._horizon = None
         self.tokens = len(touched) * self._scale
 
     def surviving(self, fingerprints: np.ndarray, capacity: int) -> int:
@@ -73,16 +78,28 @@ class WorkingSet:
         A block this router has not touched in the window is left as believed: another router
         may have sent it lately."""
         touched = self._touched
-        if len(touched) * self._scale < capacity:
+        k = -(-capacity // self._scale)  # samples that make a cacheful
+        if len(touched) < k:
             return len(fingerprints)  # fewer tokens touched than the cache holds: nothing pushed out
-        times = list(touched.values())  # touch order is time order: ascending
-        n, limit = len(times), capacity / self._scale
-        for i in np.flatnonzero((fingerprints & self._mask) == 0).tolist():
+        horizon = self._horizon
+        if horizon is None or horizon[0] != k:  # touch order is time order: the k-th from the end
+            horizon = self._horizon = (k, next(islice(reversed(touched.values()), k - 1, None)))
+        oldest_kept = horizon[1]  # a block last touched before it has a cacheful touched after it
+        sampled = np.flatnonzero((fingerprints & self._mask) == 0).tolist()
+        if not sampled:
+            return len(fingerprints)
+        # A request that touches a block touches every block before it: along a prefix the last
+        # touch only gets older, so if its last sampled block is kept, so is all of it.
+        t = touched.get(int(fingerprints[sampled[-1]]))
+        if t is not None and t >= oldest_kept:
+            return len(fingerprints)
+        for i in sampled:
             t = touched.get(int(fingerprints[i]))
-            if t is not None and n - bisect_right(times, t) >= limit:
+            if t is not None and t < oldest_kept:
                 return i
         return len(fingerprints)
 
     def clear(self) -> None:
         self._touched.clear()
+        self._horizon = None
         self.tokens = 0
