@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from kvflow.router.framework import Cycle
+from kvflow.router.load import LoadCounter
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
@@ -56,21 +57,21 @@ def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[Endpoi
             if approx.get(eid, 0) > found.get(eid, 0):
                 found[eid] = approx[eid]
     if found and ctx.predict_evictions and "prefix:evictions" not in cycle.data:
-        cycle.data["prefix:evictions"] = _cut_evicted(found, cycle.hashes.array, endpoints)
+        cycle.data["prefix:evictions"] = _cut_evicted(found, cycle.hashes.array, ctx.counters(endpoints))
     return found
 
 
-def _cut_evicted(found: dict[EndpointId, int], keys: np.ndarray, endpoints: Sequence[EndpointView]) -> int:
+def _cut_evicted(found: dict[EndpointId, int], keys: np.ndarray, counters: Mapping[EndpointId, LoadCounter]) -> int:
     """Cut each candidate's match where its LRU cache has been filled since by other blocks
     this router sent there (``WorkingSet.surviving``): the pod evicted the rest, or will before
     a request sent now runs, though its ``BlockRemoved`` has not arrived. How many were cut."""
     cut = 0
-    for ep in endpoints:
-        n = found.get(ep.id)
-        if n and (capacity := ep.counter.kv_capacity):
-            kept = ep.counter.working_set.surviving(keys[:n], capacity)
+    for eid, n in found.items():  # the matched pods only: a few of a large pool
+        counter = counters.get(eid)
+        if n and counter is not None and (capacity := counter.kv_capacity):
+            kept = counter.working_set.surviving(keys[:n], capacity)
             if kept < n:
-                found[ep.id] = kept
+                found[eid] = kept
                 cut += 1
     return cut
 

@@ -13,11 +13,13 @@ plugins read (the prefix indexes).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kvflow.router.load import LoadCounter
+from kvflow.router.per_list import PerList
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
 from kvflow.endpoints import EndpointId
 
@@ -42,6 +44,10 @@ class PluginContext:
     predict_evictions: bool = True
     """Cut a pod's precise match where its LRU cache has since been filled by other blocks sent
     there (``RouterConfig.predict_evictions``)."""
+    counters: PerList[dict[EndpointId, LoadCounter]] = field(
+        default_factory=lambda: PerList(lambda views: {ep.id: ep.counter for ep in views})
+    )
+    """Each candidate's load counter by id, kept while the pool's list of views comes back."""
 
 
 @dataclass(frozen=True, slots=True)
