@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-import numpy as np
 from pydantic import Field
 
 from kvflow.router.framework import Cycle
@@ -50,30 +49,35 @@ def prefix_matches(
 
 def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[EndpointView]) -> dict[EndpointId, int]:
     found = prefix_matches(cycle, "precise", ctx.precise, ctx.speculative)
+    if found and ctx.predict_evictions:
+        _cut_evicted(cycle, found, ctx.counters(endpoints))
     deaf = set(map(_id, endpoints)).difference(ctx.event_sources)  # (in C: a thousand pods in ~50 us)
     if deaf:
         approx = prefix_matches(cycle, "approx", ctx.approx)
         for eid in deaf:
             if approx.get(eid, 0) > found.get(eid, 0):
                 found[eid] = approx[eid]
-    if found and ctx.predict_evictions and "prefix:evictions" not in cycle.data:
-        cycle.data["prefix:evictions"] = _cut_evicted(found, cycle.hashes.array, ctx.counters(endpoints))
     return found
 
 
-def _cut_evicted(found: dict[EndpointId, int], keys: np.ndarray, counters: Mapping[EndpointId, LoadCounter]) -> int:
+def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[EndpointId, LoadCounter]) -> None:
     """Cut each candidate's match where its LRU cache has been filled since by other blocks
     this router sent there (``WorkingSet.surviving``): the pod evicted the rest, or will before
-    a request sent now runs, though its ``BlockRemoved`` has not arrived. How many were cut."""
+    a request sent now runs, though its ``BlockRemoved`` has not arrived. Each pod once a cycle,
+    whichever call first names it a candidate (a P/D decision reads the decode pods, then the
+    prefill pods); the cuts are counted in ``cycle.data["prefix:evictions"]``."""
+    checked: set[EndpointId] = cycle.data.setdefault("prefix:checked", set())
     cut = 0
     for eid, n in found.items():  # the matched pods only: a few of a large pool
         counter = counters.get(eid)
-        if n and counter is not None and (capacity := counter.kv_capacity):
-            kept = counter.working_set.surviving(keys[:n], capacity)
+        if n and counter is not None and eid not in checked and (capacity := counter.kv_capacity):
+            checked.add(eid)
+            kept = counter.working_set.surviving(cycle.hashes.array[:n], capacity)
             if kept < n:
                 found[eid] = kept
                 cut += 1
-    return cut
+    if cut:
+        cycle.data["prefix:evictions"] = cycle.data.get("prefix:evictions", 0) + cut
 
 
 @register("prefix-cache-scorer", "scorer")

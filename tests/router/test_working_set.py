@@ -9,7 +9,10 @@ import pytest
 
 from kvflow.endpoints import Endpoint
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
+from kvflow.router.framework import Cycle
 from kvflow.router.model import LoadCounter
+from kvflow.router.plugins import PluginContext
+from kvflow.router.plugins.prefix_cache import precise_matches
 from kvflow.router.working_set import SAMPLE_BITS, WorkingSet
 
 
@@ -135,3 +138,29 @@ def test_the_router_counts_a_reported_prefix_as_evicted_once_a_cacheful_was_sent
     assert router.schedule(SchedulingRequest("b", "m", prompt)).cached_tokens == expected
     cuts = router.metrics.registry.get_sample_value("kvflow_router_evictions_predicted_total", {"pool": "default"})
     assert cuts == (1 if predict else 0)
+
+
+def test_a_pd_decision_cuts_the_prefill_pods_matches_as_well_as_the_decode_pods() -> None:
+    # The decision reads the decode pods' matches first, then, in the same cycle, the prefill pods'.
+    decode, prefill = Endpoint("127.0.0.2", 8000), Endpoint("127.0.0.3", 8000)
+    router = Router(load_config({}), [decode, prefill])
+    prompt = list(range(16 * 200))
+    request = SchedulingRequest("p", "m", prompt)
+    keys = router.fingerprints(request).array
+    for pod in (decode, prefill):
+        router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=1000, block_size=16), 0.0)
+        router.event_sources.add(pod.id)
+        router.precise.add(pod.id, keys.tolist())
+        counter = router.datastore.counter(pod.id)
+        assert counter is not None
+        counter.touched(keys, now=0.0)
+        counter.touched(blocks(1500, seed=2), now=1.0)  # a cacheful and a half sent after the prompt
+    ctx = PluginContext(router.approx, router.precise, router.speculative, router.event_sources)
+    views = {view.id: view for view in router.datastore.snapshot()}
+    cycle = Cycle(request, router.fingerprints(request), 0, 16, 1.0)
+    assert precise_matches(cycle, ctx, [views[decode.id]])[decode.id] == first_sampled(keys)
+    found = precise_matches(cycle, ctx, [views[prefill.id]])
+    assert found == {decode.id: first_sampled(keys), prefill.id: first_sampled(keys)}
+    assert cycle.data["prefix:evictions"] == 2
+    assert precise_matches(cycle, ctx, [views[decode.id], views[prefill.id]]) == found  # read again: cut once
+    assert cycle.data["prefix:evictions"] == 2
