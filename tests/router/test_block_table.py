@@ -184,6 +184,20 @@ def test_hashes_a_pod_chooses_to_collide_do_not_pile_into_one_probe_run() -> Non
     assert table.match([i << 40 for i in range(10)]) == {A: 10}
 
 
+@pytest.mark.parametrize("translate", [False, True])
+def test_a_multiplier_that_piles_keys_into_one_run_is_redrawn(translate: bool) -> None:
+    table = BlockTable(refresh=False, translate=translate)
+    index = table._vindex if translate else table._index
+    index.mul = 1  # every key below 2**54 homes to slot 0 of 1,024
+    keys = list(range(1, 301))
+    table.add(A, [k << 20 for k in keys], keys if translate else None)
+    assert index.mul != 1 and index.longest_probe() <= index.probe_bound() < 64
+    assert table.match([k << 20 for k in keys]) == {A: 300}
+    if translate:
+        assert [table.translated(k) for k in keys] == [k << 20 for k in keys]
+    assert_slots_hold_exactly_the_live_blocks(table)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_vllm_hashes_translate_while_anyone_holds_the_block(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The precise index's translation: vLLM's hash -> the block's key, exactly while some
