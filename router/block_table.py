@@ -13,11 +13,11 @@ index (numpy rebuilds the slots, compacts logs and looks up many computed hashes
   rather than 64 keep an entry under 64 bytes) — and ``first[r]`` its first entry
   (a free record links the free list as -2 - next).
 * **slots**, key -> record: open addressing, probed linearly from a multiply-shift of the
-  key with a random odd multiplier, at most half full (recently stored blocks, the hot ones, sit at the end of probe runs),
-  deleted from by backward shift (no tombstones). A multiplier is linear, so some draws pile
-  structured keys (an arithmetic progression, keys equal in their low bits) into long probe
-  runs: a store that makes a run longer than random keys would at that load (``probe_bound``)
-  draws another multiplier and places the records again.
+  key with a random odd multiplier, at most half full (recently stored blocks, the hot ones,
+  sit at the end of probe runs), deleted from by backward shift (no tombstones). A multiplier
+  is linear, so some draws pile structured keys (an arithmetic progression, keys equal in their
+  low bits) into long probe runs: a store that makes a run longer than random keys would at
+  that load (``probe_bound``) draws another multiplier and places the records again.
 * **entries**, one per (block, endpoint): ``owner`` (a small int per endpoint), ``block`` (its
   record; on the free list, the next free entry), ``next`` (the block's next holder) and
   ``stamp`` (its place in its endpoint's age log).
