@@ -102,7 +102,7 @@ class KvEventsSpec(_Strict):
     predict_evictions: bool = Field(default=True, alias="predictEvictions")
     """Count a prefix as gone from a pod once a cacheful of other blocks was sent there after it
     (the pod's cache is LRU), before the pod's ``BlockRemoved`` says so (``WorkingSet.surviving``).
-    Off for pods that offload KV to a CPU tier: they still hold what their GPU cache evicted."""
+    Turn it off for pods that offload KV to a CPU tier: they still hold what their GPU cache evicted."""
     data_parallel_size: int = Field(default=1, alias="dataParallelSize", ge=1, le=64)
     """Data-parallel ranks per pod: vLLM publishes each rank's events on ``port + rank``."""
 
