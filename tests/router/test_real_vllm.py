@@ -85,9 +85,10 @@ async def test_predicted_evictions_agree_with_real_vllm(tmp_path: Path) -> None:
     predicted held (a prompt in between is partly evicted, tail first).
 
     One place where vLLM is not plain LRU: a prompt sent again whole is a full hit, and vLLM
-    computes its last token again, so its last block is not read but written anew and keeps
-    its old place in the LRU order (here it is evicted with the cacheful that followed the
-    prompt's first send). The router counts the whole prompt touched: one block of 16."""
+    computes a full hit's last token again, so the last block is written rather than read; its
+    first copy keeps its old place in the LRU order, and the events remove it with the cacheful
+    that followed the prompt's first send. The router counts the whole prompt touched: one
+    block of 16 apart."""
     from kvflow.local.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
     from kvflow.router.working_set import WorkingSet
     from kvflow.tokenizer import load_tokenizer
