@@ -44,7 +44,13 @@ correct it: on a replay of the routing benchmark's (b) a pod sat idle so for fiv
 the mean TTFT rose by 45 %. A pod that really is slower still shows it, over a few requests."""
 
 Learn = Callable[[Endpoint, bool], None]
-"""Called with (endpoint, prefill leg?) when a pod is sent the request or it is undone there."""
+"""Called with (endpoint, prefill leg?) when a pod is sent the request, when its prefill there
+ends (``prefilled``: first token, answer, failure or end; maybe more than once), or when it is
+undone there."""
+
+
+def _nothing(endpoint: Endpoint, prefill: bool) -> None:
+    pass
 
 
 class _Leg:
@@ -95,8 +101,8 @@ class Flight:
     """See the module docstring. Every method is idempotent where a caller could repeat it."""
 
     __slots__ = (
-        "request", "result", "_counter", "_cached_blocks", "_block_size", "_learn", "_forget", "_clock",
-        "_step_tokens", "_leg", "_prefill", "_remote", "served", "_done",
+        "request", "result", "_counter", "_cached_blocks", "_block_size", "_learn", "_forget", "_prefilled",
+        "_clock", "_step_tokens", "_leg", "_prefill", "_remote", "served", "_done",
     )
 
     def __init__(
@@ -111,6 +117,7 @@ class Flight:
         forget: Learn,
         clock: Callable[[], float],
         step_tokens: int = 0,
+        prefilled: Learn | None = None,
     ) -> None:
         self.request = request
         self.result = result
@@ -119,6 +126,7 @@ class Flight:
         self._block_size = block_size
         self._learn = learn
         self._forget = forget
+        self._prefilled = prefilled or _nothing
         self._clock = clock
         self._step_tokens = step_tokens
         self._leg: _Leg | None = None
@@ -156,6 +164,7 @@ class Flight:
             self._observe(leg)
         leg.release(self._clock(), undo=not ok)
         self._remote = ok
+        self._prefilled(leg.endpoint, True)
         if not ok:
             self._forget(leg.endpoint, True)
 
@@ -186,6 +195,7 @@ class Flight:
         leg = self._leg
         if leg is None or not leg.prefilled():
             return
+        self._prefilled(leg.endpoint, False)
         self.served = leg.endpoint
         if observe and not self._remote:
             self._observe(leg)
@@ -201,6 +211,7 @@ class Flight:
         if leg is not None:
             self.served = leg.endpoint
             leg.release(self._clock(), undo=False)
+            self._prefilled(leg.endpoint, False)
 
     def _observe(self, leg: _Leg) -> None:
         """The pod's prefill speed: time to first token over the work that was ahead, its own, a step."""

@@ -96,7 +96,7 @@ def apply(
 def _remove(index: PrefixIndex, endpoint: EndpointId, hashes: list[int], speculative: SpeculativeIndex | None) -> None:
     keys = index.remove_hashes(endpoint, hashes)
     if speculative is not None:
-        speculative.discard(endpoint, keys)
+        speculative.removed(endpoint, keys)
 
 
 SLICE_BLOCKS = 64

@@ -180,15 +180,20 @@ class SpeculativeIndex:
     all the prompt's blocks there, and ``extend`` carries each endpoint's matched prefix (what
     its events say) on through its guessed blocks.
     An event about a block ends the guess (stored: the precise index knows it now; removed:
-    it is gone). Guesses live in one set per endpoint, so adding, expiring and ending them are
-    set operations in C, not a loop over blocks; the sets hold only what was routed in ``ttl``.
+    it is gone), but for a removal while the request that made the guess is still waiting for
+    its prefill there: the pod evicted an older copy, and the request stores the block again
+    when it runs (a burst of one prefix onto a busy pod whose old copy is being pushed out).
+    Guesses live in one set per endpoint, so adding, expiring and ending them are set
+    operations in C, not a loop over blocks; the sets hold only what was routed in ``ttl``.
     """
 
     def __init__(self, ttl: float = 2.0) -> None:
         self.ttl = ttl
         self._blocks: dict[EndpointId, set[int]] = {}
         """Endpoint -> its guessed blocks (endpoints with none are absent)."""
-        self._queue: deque[tuple[float, EndpointId, list[int]]] = deque()
+        self._queue: deque[tuple[float, EndpointId, set[int]]] = deque()
+        self._waiting: dict[EndpointId, list[set[int]]] = {}
+        """Endpoint -> the guesses of requests sent there and not yet prefilled."""
 
     def __len__(self) -> int:
         """(block, endpoint) guesses."""
@@ -197,17 +202,35 @@ class SpeculativeIndex:
     def __bool__(self) -> bool:
         return bool(self._blocks)
 
-    def add(self, endpoint: EndpointId, hashes: list[int], now: float) -> None:
+    def add(self, endpoint: EndpointId, hashes: list[int], now: float) -> set[int] | None:
+        """Guess ``hashes`` cached on ``endpoint``, sent there ``now`` by a request that waits for
+        its prefill until ``prefilled`` is told; returns the guess to tell it with (None: off)."""
         if self.ttl <= 0 or not hashes:
+            return None
+        guess = set(hashes)
+        self._blocks.setdefault(endpoint, set()).update(guess)
+        self._queue.append((now + self.ttl, endpoint, guess))
+        self._waiting.setdefault(endpoint, []).append(guess)
+        return guess
+
+    def prefilled(self, endpoint: EndpointId, guess: set[int]) -> None:
+        """The request that made ``guess`` was prefilled (or left): removals end its blocks' guesses again."""
+        waiting = self._waiting.get(endpoint)
+        if waiting is None:
             return
-        self._blocks.setdefault(endpoint, set()).update(hashes)
-        self._queue.append((now + self.ttl, endpoint, hashes))
+        for i, g in enumerate(waiting):
+            if g is guess:
+                del waiting[i]
+                break
+        if not waiting:
+            del self._waiting[endpoint]
 
     def expire(self, now: float) -> None:
         queue = self._queue
         while queue and queue[0][0] <= now:
-            _, endpoint, blocks = queue.popleft()
-            self.discard(endpoint, blocks)
+            _, endpoint, guess = queue.popleft()
+            self.prefilled(endpoint, guess)
+            self.discard(endpoint, guess)
 
     def discard(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
         """Forget these blocks on ``endpoint`` before they expire (an event spoke of them, or
@@ -217,6 +240,17 @@ class SpeculativeIndex:
             mine.difference_update(hashes)
             if not mine:
                 del self._blocks[endpoint]
+
+    def removed(self, endpoint: EndpointId, hashes: Iterable[int]) -> None:
+        """The pod evicted these blocks: ``discard`` them, but for those a request still waiting
+        for its prefill there was sent with (it computes them again)."""
+        waiting = self._waiting.get(endpoint)
+        if waiting:
+            gone = set(hashes)
+            for guess in waiting:
+                gone = gone.difference(guess)  # iterates the (short) removal, looks up the guess
+            hashes = gone
+        self.discard(endpoint, hashes)
 
     def clear(self, endpoint: EndpointId) -> None:
         self._blocks.pop(endpoint, None)

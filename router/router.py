@@ -263,6 +263,7 @@ class Router:
             decided = _Decided(self.fingerprints(request) if reads else None, {})
         hashes = decided.hashes
         learned: list[int] | None = None
+        guesses: dict[tuple[EndpointId, bool], set[int]] = {}  # the legs' speculative guesses, until prefilled
         # the approximate index is read for pods that send KV events only by some profiles'
         # plugins: a decision by others teaches it about the pods that send none (~0.5 ms a send)
         routed = [self.profiles.get(n) for n in (result.profile, self.config.pd_prefill_profile) if n]
@@ -276,7 +277,9 @@ class Router:
                     learned = learned if learned is not None else hashes.all()
                     if teach_all or endpoint.id not in self.event_sources:
                         self.approx.add(endpoint.id, learned)
-                    self.speculative.add(endpoint.id, learned, now)
+                    guess = self.speculative.add(endpoint.id, learned, now)
+                    if guess is not None:
+                        guesses[endpoint.id, prefill] = guess
                 counter = self.datastore.counter(endpoint.id)
                 if counter is not None:
                     counter.touched(hashes.array, now)
@@ -284,14 +287,20 @@ class Router:
                 for hook in self._hooks:
                     hook.request_started(request, _served_by(result, endpoint))
 
+        def prefilled(endpoint: Endpoint, prefill: bool) -> None:
+            guess = guesses.pop((endpoint.id, prefill), None)
+            if guess is not None:
+                self.speculative.prefilled(endpoint.id, guess)
+
         def forget(endpoint: Endpoint, prefill: bool) -> None:
+            prefilled(endpoint, prefill)
             if learned is not None:
                 self.approx.discard(endpoint.id, learned)
                 self.speculative.discard(endpoint.id, learned)
 
         return Flight(
             request, result, counter=self.datastore.counter, cached_blocks=decided.matches,
-            block_size=self.config.block_size, learn=learn, forget=forget, clock=self._clock,
+            block_size=self.config.block_size, learn=learn, forget=forget, prefilled=prefilled, clock=self._clock,
             step_tokens=self.config.step_tokens,
         )
 

@@ -156,6 +156,23 @@ def test_a_guess_carries_the_prefix_the_events_give_on_until_it_expires() -> Non
     assert not guess and len(guess) == 0
 
 
+def test_a_removal_ends_a_guess_only_once_its_request_is_prefilled() -> None:
+    from kvflow.router.prefix_index import SpeculativeIndex
+
+    guess = SpeculativeIndex(ttl=2.0)
+    waiting = guess.add(A, [11, 12, 13], now=0.0)
+    other = guess.add(A, [14], now=0.0)
+    assert waiting is not None and other is not None
+    guess.removed(A, [12, 13, 14])  # an older copy evicted: both requests still wait to compute theirs
+    assert len(guess) == 4
+    guess.prefilled(A, waiting)
+    guess.removed(A, [12, 13, 14])  # now 12 and 13 are gone; 14's request still waits
+    assert len(guess) == 2
+    guess.discard(A, [14])  # a store event: the index knows it now
+    guess.expire(2.0)  # the waiting guess ends with its time
+    assert len(guess) == 0 and not guess._waiting
+
+
 def test_a_guess_does_not_bridge_a_gap_in_what_the_pod_holds() -> None:
     from kvflow.router.prefix_index import SpeculativeIndex
 

@@ -175,6 +175,34 @@ def test_a_guess_carries_the_match_on_past_what_the_events_have_confirmed_so_far
     assert (again.targets[0].id, again.cached_tokens) == (pod, 32 * 16)  # 20 confirmed, 12 guessed
 
 
+def test_an_eviction_of_an_older_copy_does_not_end_the_guess_of_a_request_still_waiting_there() -> None:
+    """A pod that held the prompt evicts it while a request sent with it waits in its queue: the
+    request computes the blocks again, so the next one finds them there. Once the request is
+    prefilled, a removal is the truth again."""
+    from kvflow.protocol.kv_events import BlockRemoved, BlockStored
+    from kvflow.router.kv_events import apply
+
+    router = Router(load_config(None), PODS, profile="prefix-precise")
+    router.event_sources.update(p.id for p in PODS)
+    first = router.schedule(req("a"))
+    router.request_started(req("a"), first)
+    pod = first.targets[0].id
+    vllm_hashes = tuple(range(1, 33))
+    apply(router.precise, pod, [BlockStored(vllm_hashes, None, 16, tuple(PROMPT))], router.speculative)
+    router.request_finished(req("a"), first, ok=True)  # stored, answered: the pod holds the prompt
+
+    waiting = router.schedule(req("b"))
+    assert (waiting.targets[0].id, waiting.cached_tokens) == (pod, 512)
+    router.request_started(req("b"), waiting)  # queued behind others: not prefilled yet
+    apply(router.precise, pod, [BlockRemoved(vllm_hashes[8:])], router.speculative)  # the old copy goes
+    assert router.precise.match(router.fingerprinter.prompt(PROMPT).all()) == {pod: 8}
+    assert router.schedule(req("c")).cached_tokens == 512  # "b" stores the 24 blocks again before "c" runs
+
+    router.request_finished(req("b"), waiting, ok=False)  # "b" left without storing them
+    apply(router.precise, pod, [BlockRemoved(vllm_hashes[:8])], router.speculative)
+    assert router.schedule(req("d")).cached_tokens == 0
+
+
 def test_an_unknown_profile_is_the_clients_mistake_not_a_capacity_problem() -> None:
     from kvflow.errors import InvalidRequestError
 
