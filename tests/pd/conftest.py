@@ -47,8 +47,9 @@ class FakeHost:
         self.unpinned.append(request_id)
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait until ``predicate()`` holds, for what real I/O on another thread brings about."""
+async def eventually(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Wait until ``predicate()`` holds, for what real I/O on another thread brings about (NIXL's
+    calls took 0.5 s each under the whole suite's load; 5 s once ran out waiting for a heartbeat)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
