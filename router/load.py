@@ -192,6 +192,8 @@ class LoadCounter:
             0, metrics.running + metrics.waiting - self.in_flight_at_scrape - self.foreign_waiting
         )
         capacity = (metrics.num_blocks or 0) * (metrics.block_size or 0)
+        if capacity != self.kv_capacity:
+            self.working_set.fit(capacity)
         self.kv_capacity = capacity
         self.kv_per_token = 1.0 / capacity if capacity > 0 else 0.0
         self.kv_base = metrics.kv_usage - self.tokens_at_scrape * self.kv_per_token

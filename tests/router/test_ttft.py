@@ -56,10 +56,10 @@ def run(
         counter.in_flight = counter.prefilling = 1 if queued and i in queued else 0
         counter.in_flight += (decoding or {}).get(i, 0)
         counter.seconds_per_token = (speed or {}).get(i, 0.0)
-        if working_set and i in working_set:  # requests sent there lately touched these blocks
-            counter.touched(random_blocks(working_set[i], seed=i), now=0.0)
         metrics = EngineMetrics(waiting=(waiting or {}).get(i, 0), num_blocks=capacity, block_size=16)
         counter.observe(metrics)  # as a scrape taken before this router sent anything would
+        if working_set and i in working_set:  # requests sent there lately touched these blocks
+            counter.touched(random_blocks(working_set[i], seed=i), now=0.0)
         views.append(EndpointView(ep, metrics, counter=counter))
     request = SchedulingRequest("r", "m", PROMPT)
     cycle = Cycle(request, precise.fingerprinter.prompt(PROMPT), 0, 16, now=0.0)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
 import pytest
 
 from kvflow.endpoints import Endpoint
+from kvflow.local.procs import free_port
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.framework import Cycle
 from kvflow.router.model import LoadCounter
 from kvflow.router.plugins import PluginContext
 from kvflow.router.plugins.prefix_cache import precise_matches
-from kvflow.router.working_set import SAMPLE_BITS, WorkingSet
+from kvflow.router.working_set import WorkingSet
 
 
 def blocks(n: int, seed: int) -> np.ndarray:
@@ -52,11 +54,12 @@ def test_blocks_not_touched_within_the_window_leave_it() -> None:
 
 def test_room_is_the_capacity_the_working_set_leaves() -> None:
     counter = LoadCounter(working_set=WorkingSet(block_size=16, window=10.0))
-    counter.working_set.touch(blocks(600, seed=1), now=0.0)
+    counter.touched(blocks(600, seed=1), now=0.0)
     assert counter.room == math.inf  # capacity unknown: never full
     counter.observe(EngineMetrics(num_blocks=1000, block_size=16))
+    counter.touched(blocks(600, seed=1), now=0.0)
     assert counter.room == 16_000 - counter.working_set.tokens
-    assert counter.room == pytest.approx(400 * 16, abs=150 * 16)
+    assert counter.room == 400 * 16  # a small cache is sampled whole (fit), so the count is exact
     counter.scraped(EngineMetrics(num_blocks=1000, block_size=16), now=11.0)  # a scrape ages it out
     assert counter.room == 16_000
 
@@ -76,16 +79,14 @@ def test_the_router_counts_what_it_sends_to_a_pod_in_its_working_set() -> None:
     # The blocks it sampled are exactly the prompt's under this router's (random) secret; how
     # near that sample comes to the prompt's length is the estimate's business, tested above.
     keys = router.fingerprinter.prompt(prompt).array
-    sampled = int(np.count_nonzero((keys & np.uint64((1 << SAMPLE_BITS) - 1)) == 0))
-    assert sent.working_set.tokens == sampled * (16 << SAMPLE_BITS)
+    bits = sent.working_set.sample_bits
+    assert bits == 3  # 10,000 blocks: one in 8 gives 1,250 samples a cacheful
+    sampled = int(np.count_nonzero((keys & np.uint64((1 << bits) - 1)) == 0))
+    assert sent.working_set.tokens == sampled * (16 << bits)
     assert other.working_set.tokens == 0
     now[0] = 6.0
     router.datastore.record_scrape(result.targets[0].id, EngineMetrics(num_blocks=10_000, block_size=16), 6.0)
     assert sent.working_set.tokens == 0 and sent.room == 160_000
-
-
-def first_sampled(keys: np.ndarray) -> int:
-    return int(np.flatnonzero((keys & np.uint64((1 << SAMPLE_BITS) - 1)) == 0)[0])
 
 
 def test_a_prefix_survives_until_a_cacheful_of_other_blocks_is_touched_after_it() -> None:
@@ -98,9 +99,58 @@ def test_a_prefix_survives_until_a_cacheful_of_other_blocks_is_touched_after_it(
     assert ws.tokens > capacity  # the pod is evicting...
     assert ws.surviving(prefix, capacity) == 200  # ...but not this prefix yet
     ws.touch(blocks(1000, seed=4), now=3.0)  # now a cacheful and a half
-    assert ws.surviving(prefix, capacity) == first_sampled(prefix)  # cut where the sample says it is gone
+    assert ws.surviving(prefix, capacity) == 0  # a cacheful and a half after all of it: gone
     ws.touch(prefix, now=4.0)  # a request read it again: the most recently used
     assert ws.surviving(prefix, capacity) == 200
+
+
+def test_a_prefix_at_the_edge_of_the_lru_order_loses_its_tail_first() -> None:
+    # vLLM frees a request's blocks last block first, so the tail of a prefix is evicted first.
+    ws = WorkingSet(block_size=16, window=60.0, sample_bits=0)
+    capacity = 1000 * 16  # 999 blocks hold KV: vLLM's block 0 is its null block
+    prefix = blocks(200, seed=1)
+    ws.touch(prefix, now=1.0)
+    ws.touch(blocks(700, seed=2), now=2.0)  # 700 blocks after it: 299 more fit, the whole prefix is held
+    assert ws.surviving(prefix, capacity) == 200
+    ws.touch(blocks(150, seed=3), now=3.0)  # 850 after it: the prefix's last 51 blocks are gone
+    assert ws.surviving(prefix, capacity) == 149
+    ws.touch(prefix[:40], now=4.0)  # a request read its first 40 blocks again: the top of the order
+    assert ws.surviving(prefix, capacity) == 149  # blocks 40.. are as far down as they were
+    ws.touch(blocks(100, seed=4), now=5.0)  # 990 after block 40: 9 of its run fit
+    assert ws.surviving(prefix, capacity) == 49
+
+
+def test_the_count_by_touch_time_follows_every_touch_and_expiry() -> None:
+    # What places a block in the LRU order: for every touch time, the samples last touched then.
+    ws = WorkingSet(block_size=16, window=5.0, sample_bits=1)
+    rng = np.random.default_rng(3)
+    prefixes = [blocks(300, seed=10 + i) for i in range(8)]
+    now = 0.0
+    for _ in range(300):
+        now += float(rng.exponential(0.05))
+        prefix = prefixes[int(rng.integers(len(prefixes)))]
+        ws.touch(np.concatenate([prefix[: int(rng.integers(1, 300))], blocks(20, seed=int(rng.integers(1 << 30)))]), now)
+        by_time: dict[float, int] = {}
+        for t in ws._touched.values():
+            by_time[t] = by_time.get(t, 0) + 1
+        assert ws._by_time == by_time and list(ws._by_time) == sorted(by_time)
+        assert min(by_time) >= now - 5.0
+
+
+def test_the_sample_is_as_fine_as_the_pods_capacity_calls_for() -> None:
+    small, large = WorkingSet(block_size=16), WorkingSet(block_size=16)
+    small.fit(2_400 * 16)  # the routing benchmark's pods: every other block
+    large.fit(30_000 * 16)  # an 8B model on a GPU: one block in 16
+    keys = blocks(8_000, seed=1)
+    small.touch(keys, now=0.0)
+    large.touch(keys, now=0.0)
+    assert len(small._touched) == pytest.approx(8_000 / 2, rel=0.05)
+    assert len(large._touched) == pytest.approx(8_000 / 16, rel=0.15)
+    assert small.tokens == pytest.approx(large.tokens, rel=0.15)
+    fixed = WorkingSet(block_size=16, sample_bits=3)
+    fixed.fit(2_400 * 16)  # a rate given is kept
+    fixed.touch(keys, now=0.0)
+    assert len(fixed._touched) == pytest.approx(8_000 / 8, rel=0.1)
 
 
 def test_nothing_is_evicted_while_fewer_tokens_than_the_cache_holds_were_touched() -> None:
@@ -132,9 +182,9 @@ def test_the_router_counts_a_reported_prefix_as_evicted_once_a_cacheful_was_sent
     assert counter is not None
     counter.touched(keys, now=0.0)  # the router sent it there
     assert router.schedule(SchedulingRequest("a", "m", prompt)).cached_tokens == 3200
-    counter.touched(blocks(1500, seed=2), now=1.0)  # then a cacheful and a half of other prompts
-    # no BlockRemoved yet: only the LRU order says the prompt is gone
-    expected = first_sampled(keys) * 16 if predict else 3200
+    counter.touched(blocks(900, seed=2), now=1.0)  # then 900 blocks of other prompts
+    # no BlockRemoved yet: only the LRU order says the prompt's tail is gone (999 blocks hold KV)
+    expected = 99 * 16 if predict else 3200
     assert router.schedule(SchedulingRequest("b", "m", prompt)).cached_tokens == expected
     cuts = router.metrics.registry.get_sample_value("kvflow_router_evictions_predicted_total", {"pool": "default"})
     assert cuts == (1 if predict else 0)
@@ -154,13 +204,32 @@ def test_a_pd_decision_cuts_the_prefill_pods_matches_as_well_as_the_decode_pods(
         counter = router.datastore.counter(pod.id)
         assert counter is not None
         counter.touched(keys, now=0.0)
-        counter.touched(blocks(1500, seed=2), now=1.0)  # a cacheful and a half sent after the prompt
+        counter.touched(blocks(900, seed=2), now=1.0)  # 900 blocks sent after the prompt: 99 of it fit
     ctx = PluginContext(router.approx, router.precise, router.speculative, router.event_sources)
     views = {view.id: view for view in router.datastore.snapshot()}
     cycle = Cycle(request, router.fingerprints(request), 0, 16, 1.0)
-    assert precise_matches(cycle, ctx, [views[decode.id]])[decode.id] == first_sampled(keys)
+    assert precise_matches(cycle, ctx, [views[decode.id]])[decode.id] == 99
     found = precise_matches(cycle, ctx, [views[prefill.id]])
-    assert found == {decode.id: first_sampled(keys), prefill.id: first_sampled(keys)}
+    assert found == {decode.id: 99, prefill.id: 99}
     assert cycle.data["prefix:evictions"] == 2
     assert precise_matches(cycle, ctx, [views[decode.id], views[prefill.id]]) == found  # read again: cut once
     assert cycle.data["prefix:evictions"] == 2
+
+
+async def test_a_started_router_counts_a_send_once_the_request_is_on_its_way() -> None:
+    # Sampling a long prompt into the working set costs ~0.1-0.2 ms: a router on an event loop
+    # does it on the loop's next turn, after the caller has written the request to the pod.
+    pod = Endpoint("127.0.0.2", free_port("127.0.0.2"))  # nothing listens: its scrapes fail, harmlessly
+    router = Router(load_config({"kvEvents": {"enabled": False}}), [pod])
+    await router.start()
+    try:
+        router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=10_000, block_size=16), 0.0)
+        counter = router.datastore.counter(pod.id)
+        assert counter is not None
+        request = SchedulingRequest("r", "m", list(range(16 * 400)))
+        router.request_started(request, router.schedule(request))
+        assert counter.in_flight == 1 and counter.working_set.tokens == 0
+        await asyncio.sleep(0)
+        assert counter.working_set.tokens > 0
+    finally:
+        await router.stop()
