@@ -100,8 +100,9 @@ class KvEventsSpec(_Strict):
     speculative_ttl: float = Field(default=2.0, alias="speculativeTtlSeconds", ge=0)
     """How long a routed request's blocks count as cached before KV events confirm them (0: off)."""
     predict_evictions: bool = Field(default=True, alias="predictEvictions")
-    """Count a prefix as gone from a pod once a cacheful of other blocks was sent there after it
-    (the pod's cache is LRU), before the pod's ``BlockRemoved`` says so (``WorkingSet.surviving``).
+    """Count a prefix's blocks as gone from a pod once a cacheful of other blocks was sent there
+    after them (the pod's cache is LRU, and frees a request's last block first), before the pod's
+    ``BlockRemoved`` says so (``WorkingSet.surviving``).
     Turn it off for pods that offload KV to a CPU tier: they still hold what their GPU cache evicted."""
     data_parallel_size: int = Field(default=1, alias="dataParallelSize", ge=1, le=64)
     """Data-parallel ranks per pod: vLLM publishes each rank's events on ``port + rank``."""

@@ -135,10 +135,9 @@ class WorkingSet:
         cacheful = capacity / self._block_size - 1  # vLLM's block 0 is its null block: it holds nothing
         if len(touched) * per < cacheful:
             return n  # fewer blocks touched than the cache holds: nothing pushed out
-        sampled = np.flatnonzero((fingerprints & self._mask) == 0) if self._bits else np.arange(n)
-        if not len(sampled):
+        sampled = np.flatnonzero((fingerprints & self._mask) == 0) if self._bits else None
+        if sampled is not None and not len(sampled):
             return n
-        keys = fingerprints[sampled].tolist()
         by_time = self._by_time
 
         def after(t: float) -> int:  # blocks touched after time t, counted up to a cacheful
@@ -151,12 +150,14 @@ class WorkingSet:
 
         # Along a prefix the last touch only gets older (a request that touches a block touches
         # every block before it), so the last sampled block is the furthest down: kept, all is.
-        t = touched.get(keys[-1])
-        if t is not None and after(t) + int(sampled[-1]) < cacheful:
+        end = int(sampled[-1]) if sampled is not None else n - 1
+        t = touched.get(int(fingerprints[end]))
+        if t is not None and after(t) + end < cacheful:
             return n
+        keys = (fingerprints if sampled is None else fingerprints[sampled]).tolist()
         start, last, room = 0, -1, 0.0
         run: float | None = None  # the time of the run of blocks last touched together; its first: start
-        for i, t in zip(sampled.tolist(), map(touched.get, keys)):
+        for i, t in zip(range(n) if sampled is None else sampled.tolist(), map(touched.get, keys)):
             if t is not None:
                 if t != run:
                     start, run = last + 1, t

@@ -17,8 +17,9 @@ this order:
 * ``load``: the two agree about both pods' caches; kvflow misjudged the queue or the speed.
 
 Beside it: how often the router's KV-event index agrees with each pod's cache at a decision,
-and the router's queued prefill work against what is really ahead on each pod (its rest of
-the running step included, in tokens at the profile's prefill speed).
+how often the eviction cut (``predictEvictions``) was right where it cut the index's match or
+left it whole, and the router's queued prefill work against what is really ahead on each pod
+(its rest of the running step included, in tokens at the profile's prefill speed).
 
     python bench/routing_regret.py --workload b --seed 0 --rate 20
 """
@@ -29,6 +30,8 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvflow.router import SchedulingRequest
 from kvflow.sim.profiles import Profile
@@ -59,6 +62,9 @@ class Decision:
     """Leading blocks the KV-event index alone gave each pod."""
     held: tuple[int, ...]
     """Leading blocks each pod's cache held, nothing queued counted."""
+    kept: tuple[int, ...]
+    """Of ``indexed``, the leading blocks the eviction cut left (the pod's LRU order, as the
+    router's working set places it)."""
     queued: tuple[float, ...]
     """Prefill work kvflow estimated queued on each pod (tokens)."""
     ahead: tuple[float, ...]
@@ -92,6 +98,12 @@ class Summary:
     index_under: int = 0
     """Pairs where the pod held more than the index (a block the pod holds twice lost its entry
     with the first copy's ``BlockRemoved``)."""
+    cuts_right: int = 0
+    """Pairs the eviction cut shortened, the pod holding no more than it left."""
+    false_cuts: tuple[int, int] = (0, 0)
+    """Pairs it shortened below what the pod held, and the blocks it took from them."""
+    missed_evictions: tuple[int, int] = (0, 0)
+    """Pairs it left whole that the pod no longer held whole, and the blocks they lacked."""
     queue_error: float = 0.0
     """Mean of kvflow's queued work less the work really ahead (tokens), over pods and decisions."""
     queue_abs_error: float = 0.0
@@ -106,6 +118,9 @@ def summarise(decisions: Sequence[Decision], threshold: float = 0.002) -> Summar
             losing[cause] += 1
             lost[cause] += d.regret
     pairs = [(i, h) for d in decisions for i, h in zip(d.indexed, d.held, strict=True)]
+    cuts = [(i, k, h) for d in decisions for i, k, h in zip(d.indexed, d.kept, d.held, strict=True) if i]
+    false = [min(h, i) - k for i, k, h in cuts if k < i and h > k]
+    missed = [i - h for i, k, h in cuts if k == i and h < i]
     errors = [q - a for d in decisions for q, a in zip(d.queued, d.ahead, strict=True)]
     return Summary(
         decisions=len(decisions),
@@ -115,6 +130,9 @@ def summarise(decisions: Sequence[Decision], threshold: float = 0.002) -> Summar
         index_agrees=sum(i == h for i, h in pairs) / len(pairs) if pairs else 1.0,
         index_over=sum(i > h for i, h in pairs),
         index_under=sum(i < h for i, h in pairs),
+        cuts_right=sum(k < i and h <= k for i, k, h in cuts),
+        false_cuts=(len(false), sum(false)),
+        missed_evictions=(len(missed), sum(missed)),
         queue_error=statistics.fmean(errors) if errors else 0.0,
         queue_abs_error=statistics.fmean(map(abs, errors)) if errors else 0.0,
     )
@@ -148,6 +166,7 @@ class RegretReplay(KvflowReplay):
         fingerprints = self.router.fingerprints(request)
         matched = self.router.precise.match(fingerprints)
         indexed = tuple(min(matched.get(eid, 0), len(blocks)) for eid in ids)
+        kept = tuple(self._kept(eid, fingerprints.array[:n]) if n else 0 for eid, n in zip(ids, indexed))
         self.router.speculative.expire(now)
         self.router.speculative.extend(matched, fingerprints.all())  # as the precise scorer reads it
         believed = tuple(min(matched.get(eid, 0), len(blocks)) * HASH.block_size for eid in ids)
@@ -158,8 +177,14 @@ class RegretReplay(KvflowReplay):
         best = min(range(len(pods)), key=cost.__getitem__)
         if math.isclose(cost[pick], cost[best], abs_tol=1e-9):
             best = pick
-        self.decisions.append(Decision(now, pick, best, cost, cached, believed, indexed, held, queued, ahead))
+        self.decisions.append(Decision(now, pick, best, cost, cached, believed, indexed, held, kept, queued, ahead))
         return pick
+
+    def _kept(self, endpoint_id: str, fingerprints: np.ndarray) -> int:
+        counter = self.router.datastore.counter(endpoint_id)
+        if counter is None or not counter.kv_capacity or not self.router.config.predict_evictions:
+            return len(fingerprints)
+        return counter.working_set.surviving(fingerprints, counter.kv_capacity)
 
 
 def report(summary: Summary) -> str:
@@ -173,6 +198,11 @@ def report(summary: Summary) -> str:
     lines.append(
         f"KV-event index vs the pods' caches: {summary.index_agrees:.1%} agree, believed more "
         f"{summary.index_over}, held more {summary.index_under} (decision x pod)"
+    )
+    lines.append(
+        f"eviction cut vs the pods' caches: {summary.cuts_right} cuts right, {summary.false_cuts[0]} false "
+        f"({summary.false_cuts[1]} blocks the pods held), {summary.missed_evictions[0]} missed "
+        f"({summary.missed_evictions[1]} blocks they no longer held) (decision x matched pod)"
     )
     lines.append(
         f"queued prefill work, kvflow's less the pods' own: mean {summary.queue_error:.0f} tokens, "

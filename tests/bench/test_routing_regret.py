@@ -13,7 +13,7 @@ from kvflow.sim.profiles import get_profile
 
 def decision(pick: int, best: int, cost: tuple[float, ...], cached: tuple[int, ...], believed: tuple[int, ...]) -> Decision:
     n = len(cost)
-    return Decision(0.0, pick, best, cost, cached, believed, (0,) * n, (0,) * n, (0.0,) * n, (0.0,) * n)
+    return Decision(0.0, pick, best, cost, cached, believed, (0,) * n, (0,) * n, (0,) * n, (0.0,) * n, (0.0,) * n)
 
 
 def test_a_losing_decision_is_put_down_to_the_cache_kvflow_misjudged_else_to_load() -> None:
@@ -26,6 +26,20 @@ def test_a_losing_decision_is_put_down_to_the_cache_kvflow_misjudged_else_to_loa
     assert summary.decisions == 4 and math.isclose(summary.regret_s, 0.6)
     assert summary.losing == {"stale cache": 1, "missed cache": 1, "load": 1}
     assert math.isclose(sum(summary.lost_s.values()), 0.6)
+
+
+def test_the_eviction_cut_is_scored_against_what_each_pod_held() -> None:
+    def pair(indexed: int, kept: int, held: int) -> Decision:
+        return Decision(0.0, 0, 0, (0.1,), (0,), (0,), (indexed,), (held,), (kept,), (0.0,), (0.0,))
+
+    summary = summarise([
+        pair(100, 40, 30),  # cut to 40, the pod held 30: right (its KV events were late)
+        pair(100, 40, 100),  # cut to 40, the pod held all of it: 60 blocks taken wrongly
+        pair(100, 100, 70),  # left whole, the pod held 70: 30 blocks missed
+        pair(100, 100, 100),  # left whole, held whole
+        pair(0, 0, 50),  # nothing matched: not the cut's business
+    ])
+    assert summary.cuts_right == 1 and summary.false_cuts == (1, 60) and summary.missed_evictions == (1, 30)
 
 
 def run(trace):  # type: ignore[no-untyped-def]
@@ -46,6 +60,7 @@ def test_every_decision_is_priced_and_a_replay_repeats_exactly() -> None:
     assert any(max(d.believed) > 0 for d in decisions)  # groups come back: kvflow knew where they were
     summary = summarise(decisions)
     assert 0.0 < summary.index_agrees <= 1.0
+    assert all(0 <= k <= i for d in decisions for i, k in zip(d.indexed, d.kept))
     assert sum(summary.losing.values()) <= summary.decisions
     assert sum(summary.lost_s.values()) <= summary.regret_s + 1e-9
     again, repeat = run(trace)
