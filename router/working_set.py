@@ -42,6 +42,7 @@ import numpy as np
 DEFAULT_WINDOW = 20.0
 SAMPLE_BITS = 4
 """The coarsest sample: one block in 16 (and the sample before the pod's capacity is known)."""
+_COARSE = np.uint64((1 << SAMPLE_BITS) - 1)
 SAMPLES_PER_CACHEFUL = 1024
 """``fit`` samples a pod's blocks as finely as gives at least this many samples a cacheful."""
 
@@ -154,6 +155,8 @@ class WorkingSet:
         t = touched.get(int(fingerprints[end]))
         if t is not None and after(t) + end < cacheful:
             return n
+        if t is None and not any(map(touched.__contains__, fingerprints[(fingerprints & _COARSE) == 0].tolist())):
+            return n  # not one in 16 of its blocks sent here lately (another router's prefix): as believed
         keys = (fingerprints if sampled is None else fingerprints[sampled]).tolist()
         start, last, room = 0, -1, 0.0
         run: float | None = None  # the time of the run of blocks last touched together; its first: start
