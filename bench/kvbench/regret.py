@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvflow.router import SchedulingRequest
+from kvflow.router.plugins.prefix_cache import surviving
 from kvflow.sim.profiles import Profile
 
 from kvbench.oracle import HASH, Clairvoyant, Pod, Prepared, after_step
@@ -182,9 +183,9 @@ class RegretReplay(KvflowReplay):
 
     def _kept(self, endpoint_id: str, fingerprints: np.ndarray) -> int:
         counter = self.router.datastore.counter(endpoint_id)
-        if counter is None or not counter.kv_capacity or not self.router.config.predict_evictions:
+        if counter is None or not self.router.config.predict_evictions:
             return len(fingerprints)
-        return counter.working_set.surviving(fingerprints, counter.kv_capacity)
+        return surviving(counter, fingerprints)
 
 
 def report(summary: Summary) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
+import numpy as np
 from pydantic import Field
 
 from kvflow.router.framework import Cycle
@@ -69,15 +70,22 @@ def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[E
     checked: set[EndpointId] = cycle.data.setdefault("prefix:checked", set())
     cut = 0
     for eid, n in found.items():  # the matched pods only: a few of a large pool
-        counter = counters.get(eid)
-        if n and counter is not None and eid not in checked and (capacity := counter.kv_capacity):
+        if n and eid not in checked and eid in counters:
             checked.add(eid)
-            kept = counter.working_set.surviving(cycle.hashes.array[:n], capacity)
+            kept = surviving(counters[eid], cycle.hashes.array[:n])
             if kept < n:
                 found[eid] = kept
                 cut += 1
     if cut:
         cycle.data["prefix:evictions"] = cycle.data.get("prefix:evictions", 0) + cut
+
+
+def surviving(counter: LoadCounter, fingerprints: np.ndarray) -> int:
+    """The leading blocks of a prefix ``counter``'s pod is believed to hold that its LRU order
+    still keeps (all of them while the pod has not reported its capacity)."""
+    if not counter.kv_capacity:
+        return len(fingerprints)
+    return counter.working_set.surviving(fingerprints, counter.kv_capacity)
 
 
 @register("prefix-cache-scorer", "scorer")
