@@ -26,6 +26,7 @@ Record = dict[str, float]
 Hop = tuple[str, Callable[[Record, Record], float]]
 
 GATEWAY_HOPS: list[Hop] = [
+    ("gateway: request's first byte to handled (read, parse)", lambda g, p: g["handled"] - g["began"]),
     ("gateway: handled to serving (parse, validate, admit)", lambda g, p: g["serving"] - g["handled"]),
     ("gateway: tokenize", lambda g, p: g["tokenize"]),
     ("gateway: tokenize, its thread's CPU time", lambda g, p: g["tokenize_cpu"]),

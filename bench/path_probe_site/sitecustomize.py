@@ -5,9 +5,10 @@ every ``kvflow gateway`` and ``kvflow sim`` process started so (a benchmark pass
 environment on) then records, on the machine's shared monotonic clock, each streamed request's
 way through it, and appends it to ``<folder>/<role>-<pid>.jsonl`` every second and at exit:
 
-* the gateway: handled, serving (parsed, validated, admitted), the time tokenizing and
-  scheduling took (wall and the thread's CPU time: the difference is the time the process was
-  not running), sent to the pod, first chunk back, and its event loop's lag on 5 ms timers;
+* the gateway: the request's first byte read (its connection's parser began a message),
+  handled, serving (parsed, validated, admitted), the time tokenizing and scheduling took (wall
+  and the thread's CPU time: the difference is the time the process was not running), sent to
+  the pod, first chunk back, and its event loop's lag on 5 ms timers;
 * a simulated pod: its handler entered, the engine's arrival and first token, the first token
   written out; its own address and the request's ``seed`` (the routing benchmark's requests each
   have their own), which say where a router placed each request of a trace
@@ -59,7 +60,7 @@ def _probe_gateway() -> None:
     import contextvars
     import time
 
-    from kvflow.gateway import app
+    from kvflow.gateway import app, httpserver
     from kvflow.router.router import Router
 
     mono, thread_time = time.monotonic, time.thread_time
@@ -78,10 +79,18 @@ def _probe_gateway() -> None:
     handle, serve, try_targets, stream = app.Gateway.handle, app.Gateway._serve, app.try_targets, app.stream_response
     tokenize, schedule = Router.tokenize, Router.schedule
 
+    begin = httpserver._Connection.on_message_begin
+
+    def began(self):  # type: ignore[no-untyped-def]
+        self.path_probe_began = mono()
+        return begin(self)
+
+    httpserver._Connection.on_message_begin = began
+
     async def handled(self, request, out):  # type: ignore[no-untyped-def]
         if not started:
             started.append(asyncio.get_running_loop().create_task(lag_monitor()))
-        current.set({"handled": mono()})
+        current.set({"handled": mono(), "began": getattr(out._conn, "path_probe_began", None)})
         return await handle(self, request, out)
 
     async def serving(self, request, out, ex, *args):  # type: ignore[no-untyped-def]

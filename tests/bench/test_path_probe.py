@@ -20,7 +20,7 @@ from kvbench.workloads import Workload
 SITE = Path(path_probe.__file__).resolve().parent / "path_probe_site"
 TINY = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
                 params=(("groups", 2), ("per_group", 3), ("system_len", 600), ("question_len", 100), ("output_len", 8)))
-WAY = ["handled", "serving", "sent", "handler", "engine", "first_token"]
+WAY = ["began", "handled", "serving", "sent", "handler", "engine", "first_token"]
 """Stamps in the order a request passes them (the pod writes the first token out after it is
 produced, but the engine's planned time may lead the write by less than its clock's tick)."""
 TICK = 0.001
