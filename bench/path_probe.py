@@ -62,6 +62,13 @@ def summary(values: list[float]) -> str:
             f"{percentile(values, 0.9) * 1e3:8.2f}")
 
 
+def _hop(hop: Callable[[Record, Record], float], g: Record, p: Record) -> float | None:
+    try:
+        return hop(g, p)
+    except (KeyError, TypeError):  # a stamp the record lacks
+        return None
+
+
 def report(folder: Path) -> str:
     gateway, lag = load(folder, "gateway")
     pod_records = load(folder, "sim")[0]
@@ -71,7 +78,9 @@ def report(folder: Path) -> str:
     if joined:
         lines[0] += f"   ({len(joined)} requests joined by id)"
         for name, hop in GATEWAY_HOPS + POD_HOPS + BACK_HOPS:
-            lines.append(f"{name:<54} {summary([hop(g, p) for g, p in joined])}")
+            values = [value for g, p in joined if (value := _hop(hop, g, p)) is not None]
+            if values:  # (a probe folder from before a stamp was added has none of it)
+                lines.append(f"{name:<54} {summary(values)}")
         if lag:
             lines.append(f"{'gateway: event-loop lag on 5 ms timers':<54} {summary(lag)}")
     elif pod_records:
