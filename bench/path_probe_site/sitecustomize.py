@@ -82,6 +82,7 @@ def _probe_gateway() -> None:
     begin = httpserver._Connection.on_message_begin
 
     def began(self):  # type: ignore[no-untyped-def]
+        # on the connection: a pipelined request would read its successor's (no client here pipelines)
         self.path_probe_began = mono()
         return begin(self)
 
