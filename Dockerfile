@@ -15,6 +15,14 @@ FROM ${BASE_IMAGE} AS builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
 # kvflow's venv gets no pip of its own (the runtime needs none); a tool venv installs into it.
 RUN python3 -m venv --without-pip /opt/kvflow && python3 -m venv /opt/pip
+# A C compiler, in the builder only, for kvflow._native (the loops a request runs through before
+# it is routed). Where apt cannot fetch one, pip leaves the module out and numpy does the same work.
+RUN if ! command -v cc >/dev/null; then \
+      pkgs="gcc libc6-dev"; \
+      [ -e "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] || pkgs="$pkgs python3-dev"; \
+      (apt-get update && apt-get install -y --no-install-recommends $pkgs && rm -rf /var/lib/apt/lists/*) >/dev/null 2>&1 \
+        || echo "no C compiler: kvflow._native is left out"; \
+    fi
 # Dependencies first, from pyproject alone: this layer is reused until the dependencies change.
 COPY pyproject.toml /src/pyproject.toml
 RUN --mount=type=secret,id=pip-ca --mount=type=cache,target=/root/.cache/pip \
@@ -22,13 +30,14 @@ RUN --mount=type=secret,id=pip-ca --mount=type=cache,target=/root/.cache/pip \
     python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]))' \
         > /tmp/requirements.txt \
     && /opt/pip/bin/pip --python /opt/kvflow/bin/python install -r /tmp/requirements.txt
-# Then kvflow itself (.dockerignore lets in only pyproject, README and the package folders;
+# Then kvflow itself (.dockerignore lets in only pyproject, setup.py, README and the package folders;
 # pyproject's package-dir maps each component folder to kvflow.<name>).
 COPY . /src/
 RUN --mount=type=secret,id=pip-ca --mount=type=cache,target=/root/.cache/pip \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     /opt/pip/bin/pip --python /opt/kvflow/bin/python install --no-deps /src \
-    && /opt/kvflow/bin/kvflow --version
+    && /opt/kvflow/bin/kvflow --version \
+    && (/opt/kvflow/bin/python -c 'import kvflow._native' 2>/dev/null || echo "kvflow._native not built: numpy does its work")
 
 # NIXL (with its bundled UCX) for real KV-cache transfers between prefill and decode pods: about
 # 220 MB, so only the kvflow-nixl target has it. No deps: its CUDA pins are not needed on CPU.

@@ -8,7 +8,7 @@ ARGS   ?=
 
 .PHONY: up test lint install bench clean image push
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py kvflow/_native.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[test]'
 	# NIXL's wheels pin CUDA packages it does not need on CPU: install them without deps.

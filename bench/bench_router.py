@@ -6,9 +6,11 @@ and profile, as users get them, N endpoints that all publish KV events, and a pr
 index of B blocks (random blocks spread over the endpoints, plus the prompt's own blocks, fed
 as ``BlockStored`` events, cached fully on 8 endpoints and half on 8 others). Each sample
 schedules an 8k-token prompt. ``decide cold`` is ``Router.schedule`` for it, everything the
-router does for a prompt it never saw: tokens to int64, the prefix fingerprints (numpy), the
-walk of the precise index, the filters and scorers (there is no memo: a prompt seen before
-costs the same). ``fingerprints`` is the tokens-to-fingerprints step alone, ``walk`` the precise
+router does for a prompt it never saw: the prefix fingerprints, the walk of the precise index,
+the filters and scorers (there is no memo: a prompt seen before costs the same). The loops over
+a prompt's blocks run in C (``kvflow._native``, kvflow's own, built by ``pip install`` where a
+compiler is); the table says so, and the same grid follows with numpy alone (the fallback
+without a compiler, and what the router ran before). ``fingerprints`` is the tokens-to-fingerprints step alone, ``walk`` the precise
 index's lookup alone over computed fingerprints, ``fp + walk`` the two together (what grows
 with the index, not with the endpoints). ``vLLM hash`` is the peer: the 512 hashes vLLM's way
 (``pickle.dumps`` + SHA-256 per block), what a router that keys on vLLM's hashes pays before it
@@ -53,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +64,7 @@ import numpy as np
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.hashing import hash_fn, hash_request_tokens, none_hash, to_external
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
+from kvflow.router import block_table, fingerprint
 from kvflow.router.block_table import BlockTable
 from kvflow.protocol.kv_events import BlockRemoved, BlockStored, KvEvent, decode_runs
 from kvflow.router.kv_events import apply
@@ -135,6 +139,17 @@ class DecisionRow:
         verdict = "" if target is None else f"  {'met' if statistics.median(self.cold) * 1e6 <= target else 'MISSED'} (<= {target:.0f})"
         cells = (micros(s) for s in (self.plain, self.fingerprints, self.walk, self.lookup, self.cold))
         return f"{self.endpoints:>9} {self.blocks:>9} " + " ".join(f"{c:>15}" for c in cells) + verdict
+
+
+@contextlib.contextmanager
+def numpy_only() -> Iterator[None]:
+    """The router's loops over a prompt's blocks in numpy, as where ``kvflow._native`` is not built."""
+    saved = fingerprint.native, block_table.native
+    fingerprint.native = block_table.native = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fingerprint.native, block_table.native = saved
 
 
 def decision(n_endpoints: int, blocks: int, n_tokens: int, repeat: int) -> DecisionRow:
@@ -435,11 +450,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         header = ("vLLM hash", "fingerprints", "walk", "fp + walk", "decide cold")
         print(f"{'endpoints':>9} {'blocks':>9} " + " ".join(f"{h:>15}" for h in header))
+        loops = "C (kvflow._native)" if fingerprint.native is not None else "numpy (kvflow._native is not built)"
+        print(f"-- as installed: the loops over a prompt's blocks in {loops}")
         for n_endpoints, blocks in grid:
             rows.append(decision(n_endpoints, blocks, args.tokens, args.repeat))
             print(rows[-1].line(), flush=True)
         ratio = statistics.median(min(r.fingerprints) / min(r.plain) for r in rows)
         print(f"fingerprinting a prompt takes {ratio:.2f}x the CPU of hashing it vLLM's way (pickle.dumps + SHA-256)")
+        if fingerprint.native is not None:
+            print("-- numpy alone (no kvflow._native: the fallback without a C compiler)")
+            with numpy_only():
+                for n_endpoints, blocks in grid:
+                    print(decision(n_endpoints, blocks, args.tokens, args.repeat).line(), flush=True)
     if args.table in ("ingest", "all"):
         ingest_table()
     memory_rows = memory_table(args.memory_scale) if args.table in ("memory", "all") else []

@@ -37,6 +37,11 @@ import jinja2.sandbox
 
 from kvflow.errors import InvalidRequestError
 
+try:
+    from kvflow import _native as native
+except ImportError:  # installed without a C compiler: the built-in tokenizer reads words with str methods
+    native = None  # type: ignore[assignment]
+
 Message = Mapping[str, Any]
 
 CHATML = (
@@ -193,7 +198,9 @@ class BuiltinTokenizer:
         self.vocab_size = vocab_size
         self._pieces: dict[int, str] = dict(enumerate(_SPECIAL))
         self._ids: dict[str, int] = {}
-        self._spaced: dict[str, int] = {}
+        self._spaced: dict[str, int] | native.WordIds = {} if native is None else native.WordIds(self.MAX_KNOWN)
+        """Word -> the id of " " + word (a hit builds no string): with ``kvflow._native``, a table
+        that looks up a chunk's words in its bytes, building no string per word either."""
         self._chunks: dict[str, list[int]] = {}
 
     def _piece_id(self, piece: str) -> int:
@@ -223,24 +230,37 @@ class BuiltinTokenizer:
         for chunk in split_at_spaces(text, self.CHUNK):
             got = chunks.get(chunk)
             if got is None:
-                if not chunk.isascii() or chunk.encode().translate(None, _WORD_OR_SPACE) or "  " in chunk:
-                    return None
                 got = self._words(chunk)
+                if got is None:
+                    return None
                 if len(chunks) >= self.MAX_CHUNKS:
                     chunks.clear()
                 chunks[chunk] = got
             ids += got
         return ids
 
-    def _words(self, chunk: str) -> list[int]:
-        """A plain chunk's ids: its first word as is, unless the chunk starts with the space
-        before it; every later word as " word" (looked up by ``map``, in C)."""
-        words = chunk.split(" ")
-        ids = list(map(self._spaced.get, words, _MISSING))  # ids are never 0: 0 is a miss
-        first = words[0]
+    def _words(self, chunk: str) -> list[int] | None:
+        """A plain chunk's ids (None if it is not plain): its first word as is, unless the chunk
+        starts with the space before it; every later word as " word". A ``WordIds`` reads the
+        chunk once, in C; a dict looks the words up by ``map`` after ``str`` methods checked it."""
+        words: list[str] | None = None
+        if isinstance(self._spaced, dict):
+            if not chunk.isascii() or chunk.encode().translate(None, _WORD_OR_SPACE) or "  " in chunk:
+                return None
+            words = chunk.split(" ")
+            ids: list[Any] = list(map(self._spaced.get, words, _MISSING))  # ids are never 0: 0 is a miss
+            missing = [i for i in range(1, len(ids)) if not ids[i]] if 0 in ids[1:] else []
+        else:
+            looked = self._spaced.plain_words(chunk)
+            if looked is None:
+                return None
+            ids, missing = looked
+        first = ids[0] = words[0] if words is not None else ids[0]
         ids[0] = (self._ids.get(first) or self._piece_id(first)) if first else 0
-        if 0 in ids[1:]:  # words not seen yet (or forgotten)
-            ids[1:] = [i or self._spaced_id(w) for i, w in zip(ids[1:], words[1:])]
+        if missing:  # words not seen yet (or forgotten)
+            words = words or chunk.split(" ")
+            for i in missing:
+                ids[i] = self._spaced_id(words[i])
         return ids if first else ids[1:]
 
     def _spaced_id(self, word: str) -> int:

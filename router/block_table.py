@@ -53,6 +53,11 @@ import numpy as np
 
 from kvflow.endpoints import EndpointId
 
+try:
+    from kvflow import _native as native
+except ImportError:  # installed without a C compiler: numpy finds the same records
+    native = None  # type: ignore[assignment]
+
 UINT64_MAX = (1 << 64) - 1
 MAX_ENDPOINTS = 0xFFFF
 _NONE = -1
@@ -201,6 +206,16 @@ class _Slots:
             records[j] = self.find(int(hashes[j]))
         return records
 
+    def find_prefix(self, hashes: np.ndarray) -> np.ndarray:
+        """The records of the leading ``hashes`` found, up to the first that is not: one probe
+        run after another in C (``kvflow._native``), else ``find_many`` cut at its first miss."""
+        if native is not None:
+            found = native.find_prefix(self.slots, self.keys, np.ascontiguousarray(hashes, np.uint64), self.mul, self.shift)
+            return np.frombuffer(found, np.int32)
+        records = self.find_many(hashes)
+        missing = np.flatnonzero(records < 0)
+        return records[: missing[0]] if missing.size else records
+
     def longest_probe(self) -> int:
         slots = np.frombuffer(self.slots, np.int32)
         at = np.flatnonzero(slots >= 0)
@@ -341,10 +356,11 @@ class BlockTable:
         """The walk over computed keys: (endpoints still matching, blocks walked)."""
         if self._index.find(int(keys[0])) < 0:  # nobody holds the first block: no need to look further
             return set(), 0
-        records = self._index.find_many(keys)
-        missing = np.flatnonzero(records < 0)
-        stop = int(missing[0]) if missing.size else len(keys)
-        mixes = np.frombuffer(self._mix, np.uint32)[records[:stop]]
+        records = self._index.find_prefix(keys)
+        stop = len(records)
+        if not stop:
+            return set(), 0
+        mixes = np.frombuffer(self._mix, np.uint32)[records]
         alive: set[int] | None = None
         for i in [0, *(np.flatnonzero(mixes[1:] != mixes[:-1]) + 1).tolist()]:
             alive = self._narrow(alive, int(records[i]), i, matched)

@@ -46,6 +46,11 @@ import numpy as np
 from kvflow.blockbytes import as_int64
 from kvflow.errors import InvalidRequestError
 
+try:
+    from kvflow import _native as native
+except ImportError:  # installed without a C compiler: numpy computes the same fingerprints
+    native = None  # type: ignore[assignment]
+
 MASK = (1 << 64) - 1
 _SMALL = 6
 """Prompts and events of at most this many blocks are fingerprinted in plain Python: numpy's
@@ -108,6 +113,7 @@ class Fingerprinter:
         rng = np.random.default_rng(int.from_bytes(hashlib.blake2b(self._secret, person=b"kvflow-fp").digest(), "big"))
         self._token_mix = rng.integers(0, 1 << 63, block_size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         self._token_mix_list: list[int] = self._token_mix.tolist()
+        self._token_mix_bytes = self._token_mix.tobytes()
         self._k = int(rng.integers(0, 1 << 63, dtype=np.uint64)) * 2 + 1
         self.root = int(rng.integers(0, 1 << 63, dtype=np.uint64)) << 1 | 1
         """The parent of block 0: what a ``BlockStored`` without a parent chains on."""
@@ -155,8 +161,14 @@ class Fingerprinter:
     def stored(self, parent: int, token_ids: Sequence[int], keys: Sequence[BlockKey] | None) -> list[int]:
         """The fingerprints of an event's blocks (``token_ids``: theirs, block after block),
         chained on ``parent``'s. Most events report a block or two (a decoding request filled
-        one): those are computed in plain Python, which numpy's fixed costs would outweigh."""
+        one): without ``kvflow._native`` (or with keys), those are computed in plain Python,
+        which numpy's fixed costs would outweigh."""
         n = len(token_ids) // self.block_size
+        if native is not None and keys is None and type(token_ids) is list:
+            raw = native.fingerprints(token_ids, self._token_mix_bytes, self._k, parent, 0, 0)
+            if raw is None:
+                raise ValueError("token ids must be int64")
+            return np.frombuffer(raw, np.uint64).tolist()  # type: ignore[no-any-return]
         if n > _SMALL:
             values = as_int64(token_ids)
             if values is None:
@@ -192,6 +204,17 @@ class Fingerprinter:
         if n <= _SMALL:
             return np.array(self._chain_small(parent, values[: n * self.block_size].tolist(), keys, n), np.uint64)
         return self.chain(parent, self.block_mixes(values, keys))
+
+    def prompt_array(self, token_ids: Sequence[int], first: BlockKey = None, later: BlockKey = None) -> np.ndarray | None:
+        """``fingerprints`` of a prompt's token ids as they came (a list, as tokenizers give
+        them), or None if one is not an int64: in one pass in C when ``kvflow._native`` is
+        built, else converted to an array for numpy."""
+        if native is not None and type(token_ids) is list:
+            raw = native.fingerprints(token_ids, self._token_mix_bytes, self._k, self.root,
+                                      self.key_mix(first), self.key_mix(later))
+            return None if raw is None else np.frombuffer(raw, np.uint64)
+        values = as_int64(token_ids)
+        return None if values is None else self.fingerprints(values, first, later)
 
     def prompt(self, token_ids: Sequence[int], first: BlockKey = None, later: BlockKey = None) -> PromptFingerprints:
         """A request's fingerprints, computed when first read."""
@@ -245,10 +268,10 @@ class PromptFingerprints:
             if not self.num_blocks:
                 self._array = _NO_BLOCKS
                 return self._array
-            values = as_int64(self._tokens)
-            if values is None:
+            array = self._fingerprinter.prompt_array(self._tokens, self._first, self._later)
+            if array is None:
                 raise InvalidRequestError("prompt token ids must be integers in the int64 range", param="prompt")
-            self._array = self._fingerprinter.fingerprints(values, self._first, self._later)
+            self._array = array
         return self._array
 
     @property

@@ -10,7 +10,9 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from kvflow.tokenizer import BuiltinTokenizer, HFTokenizer, load_tokenizer, prompt_token_ids, split_at_spaces
+from kvflow.tokenizer import (
+    BuiltinTokenizer, HFTokenizer, load_tokenizer, native, prompt_token_ids, split_at_spaces,
+)
 
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "golden" / "tiny-llama-tokenizer"
 
@@ -62,20 +64,77 @@ def test_missing_tokenizer_folder_is_a_clear_error(tmp_path):
         load_tokenizer(tmp_path)
 
 
-@hypothesis.settings(max_examples=300, deadline=None)
-@hypothesis.given(st.text(alphabet=st.sampled_from(["a", "b", "é", "1", "_", " ", ".", ",", "\n", "\t", "ß", "中"]),
-                          max_size=40))
-def test_builtin_fast_path_gives_the_same_pieces_as_the_regex(text: str) -> None:
-    from kvflow.tokenizer import _PIECE, BuiltinTokenizer
+def word_tables() -> list[str]:
+    """The built-in tokenizer's word memos: ``kvflow._native.WordIds`` (when built) and a dict."""
+    return ["dict"] if native is None else ["native", "dict"]
 
-    fast, chunked, reference = BuiltinTokenizer(), BuiltinTokenizer(), BuiltinTokenizer()
-    chunked.CHUNK = 4  # plain text cut every few characters: every cut is exercised
+
+def builtin(words: str, **attrs: int) -> BuiltinTokenizer:
+    tok = BuiltinTokenizer()
+    if words == "dict":
+        tok._spaced = {}
+    for name, value in attrs.items():
+        setattr(tok, name, value)
+    return tok
+
+
+@pytest.mark.parametrize("words", word_tables())
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(text=st.text(alphabet=st.sampled_from(["a", "b", "é", "1", "_", " ", ".", ",", "\n", "\t", "ß", "中"]),
+                               max_size=40))
+def test_builtin_fast_path_gives_the_same_pieces_as_the_regex(words: str, text: str) -> None:
+    from kvflow.tokenizer import _PIECE
+
+    fast, chunked, reference = builtin(words), builtin(words, CHUNK=4), BuiltinTokenizer()
+    # CHUNK=4: plain text cut every few characters: every cut is exercised
     expected = [reference._piece_id(p) for p in _PIECE.findall(text)]
     for tok in (fast, chunked):
         assert tok.encode(text, add_special_tokens=False) == expected  # every piece new
         assert tok.encode(text, add_special_tokens=False) == expected  # every piece (and chunk) remembered
         head = text[: len(text) // 2]  # a prefix of a text seen before reuses its chunks
         assert tok.encode(head, add_special_tokens=False) == [reference._piece_id(p) for p in _PIECE.findall(head)]
+
+
+@pytest.mark.parametrize("words", word_tables())
+def test_long_words_and_forgotten_words_get_the_regexs_ids(words: str) -> None:
+    """Words longer than a ``WordIds`` slot keeps are looked up in Python each time; a full memo
+    forgets every word and learns them again."""
+    from kvflow.tokenizer import _PIECE
+
+    rng = random.Random(7)
+    vocab = [f"w{i}" for i in range(300)] + ["x" * n for n in (17, 18, 19, 40)] + ["_a_", "Z9"]
+    tok, reference = builtin(words, MAX_KNOWN=50, CHUNK=64), BuiltinTokenizer()
+    for _ in range(20):
+        text = " ".join(rng.choice(vocab) for _ in range(rng.randrange(1, 400)))
+        text = rng.choice(["", " "]) + text + rng.choice(["", " "])
+        expected = [reference._piece_id(p) for p in _PIECE.findall(text)]
+        assert tok.encode(text, add_special_tokens=False) == expected
+        assert len(tok._spaced) <= 50
+
+
+@pytest.mark.skipif(native is None, reason="kvflow._native is not built")
+def test_a_word_table_holds_ascii_words_as_a_dict_would() -> None:
+    table = native.WordIds(4)
+    table["alpha"], table["beta"], table[""] = 7, 8, 9
+    assert (table.get("alpha"), table.get("beta"), table.get(""), table.get("gamma"), table.get("gamma", 0)) == (
+        7, 8, 9, None, 0)
+    table["alpha"] = 70  # a word set again keeps one place
+    assert (len(table), table.get("alpha")) == (3, 70)
+    table["x" * 18], table["x" * 19] = 1, 2  # a word longer than a slot's bytes is not kept
+    assert (len(table), table.get("x" * 18), table.get("x" * 19)) == (4, 1, None)
+    table["delta"] = 4  # the table was full: it forgot every word first
+    assert (len(table), table.get("alpha"), table.get("delta")) == (1, None, 4)
+    assert table.plain_words("delta w w_1 ") == (["delta", 0, 0, 0], [1, 2, 3])
+    assert table.plain_words(" delta delta") == (["", 4, 4], [])
+    assert [table.plain_words(t) for t in ("a  b", "a.b", "naïve", "a\nb", "a\tb")] == [None] * 5
+    table.clear()
+    assert (len(table), table.get("delta")) == (0, None)
+    for bad_word, bad_id, error in (("naïve", 1, TypeError), (b"x", 1, TypeError), ("x", 0, ValueError),
+                                    ("x", 1 << 32, ValueError), ("x", "1", TypeError)):
+        with pytest.raises(error):
+            table[bad_word] = bad_id  # type: ignore[index,assignment]
+    with pytest.raises(ValueError):
+        native.WordIds(0)
 
 
 @hypothesis.settings(max_examples=300, deadline=None)

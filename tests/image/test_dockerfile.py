@@ -36,5 +36,5 @@ def test_the_build_context_is_an_allow_list() -> None:
     assert lines[0] == "*"
     allowed = {line[1:] for line in lines if line.startswith("!")}
     folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
-    assert allowed == {"pyproject.toml", "README.md"} | folders  # every folder the wheel maps
+    assert allowed == {"pyproject.toml", "setup.py", "README.md"} | folders  # every folder the wheel maps
 

@@ -78,12 +78,17 @@ def lazily(chain: list[int], asked: list[int]) -> Iterator[int]:
 
 @pytest.mark.parametrize("refresh", [False, True], ids=["fifo", "lru"])
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("vector_min", [block_table._VECTOR_MIN, 2], ids=["as-shipped", "numpy-from-2"])
-def test_every_operation_agrees_with_dicts_of_sets(refresh: bool, seed: int, vector_min: int,
+@pytest.mark.parametrize("vector_min", [block_table._VECTOR_MIN, 2], ids=["as-shipped", "arrays-from-2"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_every_operation_agrees_with_dicts_of_sets(refresh: bool, seed: int, vector_min: int, native: bool,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(block_table, "_LOG_SLACK", 4)  # compact the age logs often
-    # the numpy path (many keys looked up at once) on short chains too
+    # the array path (many keys looked up at once: kvflow._native, else numpy) on short chains too
     monkeypatch.setattr(block_table, "_VECTOR_MIN", vector_min)
+    if not native:
+        monkeypatch.setattr(block_table, "native", None)
+    elif block_table.native is None:
+        pytest.skip("kvflow._native is not built")
     rng = random.Random(seed)
     table, model = BlockTable(refresh=refresh), Model(refresh)
     endpoints = [EndpointId(f"10.0.0.{i}:8000") for i in range(6)]

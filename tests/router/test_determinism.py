@@ -101,13 +101,13 @@ def test_same_seed_same_picks_as_before(profile: str, pd: bool) -> None:
 def test_profiles_without_prefix_scorers_never_hash_the_prompt() -> None:
     router = Router(load_config({"kvEvents": {"enabled": False}}), [Endpoint("127.0.0.2", 8000)], profile="least-load")
     fingerprinted: list[int] = []  # blocks fingerprinted, prompt by prompt
-    compute = router.fingerprinter.fingerprints
+    compute = router.fingerprinter.prompt_array
 
-    def counted(values, *args):  # type: ignore[no-untyped-def]
-        fingerprinted.append(len(values) // 16)
-        return compute(values, *args)
+    def counted(token_ids, *args):  # type: ignore[no-untyped-def]
+        fingerprinted.append(len(token_ids) // 16)
+        return compute(token_ids, *args)
 
-    router.fingerprinter.fingerprints = counted  # type: ignore[method-assign]
+    router.fingerprinter.prompt_array = counted  # type: ignore[method-assign]
     request = SchedulingRequest("r", "m", list(range(512)))
     result = router.schedule(request)
     router.request_started(request, result)

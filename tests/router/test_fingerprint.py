@@ -8,9 +8,19 @@ import numpy as np
 import pytest
 
 from kvflow.errors import InvalidRequestError
+from kvflow.router import fingerprint
 from kvflow.router.fingerprint import MASK, Fingerprinter, event_keys, request_keys
 
 BLOCK = 16
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case twice: with ``kvflow._native`` (when built) and with numpy alone."""
+    if request.param == "numpy":
+        monkeypatch.setattr(fingerprint, "native", None)
+    elif fingerprint.native is None:
+        pytest.skip("kvflow._native is not built")
 
 
 def stepwise(f: Fingerprinter, tokens: list[int], keys: list[object] | None = None) -> list[int]:
