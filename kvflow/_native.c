@@ -11,8 +11,9 @@
  *       Every full block's prefix fingerprint, as native-endian uint64s:
  *           m_i  = splitmix64(sum_j tokens_i[j] * token_mix[j] + (first_mix if i == 0 else later_mix))
  *           fp_i = fp_{i-1} * k + m_i,  fp_{-1} = parent          (all mod 2**64)
- *       None when a token is not an integer in the int64 range (every token is checked, the
- *       last partial block's too, as ``blockbytes.as_int64`` checks them).
+ *       None when a token is not an int (exactly) in the int64 range: every token is checked,
+ *       the last partial block's too. The caller then converts the tokens as
+ *       ``blockbytes.as_int64`` does (numpy integers count by their value) or refuses them.
  *
  *   find_prefix(slots, keys, hashes, mul, shift) -> bytes
  *       The records (int32) of the leading ``hashes`` found in an open-addressing table:
@@ -42,21 +43,14 @@ static inline uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* A token as uint64 (the int64's bits), or -1 with no exception set when it is not an int64. */
+/* A token as uint64 (the int64's bits), or -1 with no exception set when it is not an int of
+ * the int64 range. Only exact ints: converting any other object could run Python code, which
+ * could change the list being read. */
 static inline int token_value(PyObject *item, uint64_t *out) {
     int overflow = 0;
-    long long v;
-    if (PyLong_CheckExact(item)) {
-        v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    } else {
-        PyObject *index = PyNumber_Index(item);  /* what struct.pack("q") accepts */
-        if (index == NULL) {
-            PyErr_Clear();
-            return -1;
-        }
-        v = PyLong_AsLongLongAndOverflow(index, &overflow);
-        Py_DECREF(index);
-    }
+    if (!PyLong_CheckExact(item))
+        return -1;
+    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
     if (overflow || (v == -1 && PyErr_Occurred())) {
         PyErr_Clear();
         return -1;

@@ -166,9 +166,8 @@ class Fingerprinter:
         n = len(token_ids) // self.block_size
         if native is not None and keys is None and type(token_ids) is list:
             raw = native.fingerprints(token_ids, self._token_mix_bytes, self._k, parent, 0, 0)
-            if raw is None:
-                raise ValueError("token ids must be int64")
-            return np.frombuffer(raw, np.uint64).tolist()  # type: ignore[no-any-return]
+            if raw is not None:
+                return np.frombuffer(raw, np.uint64).tolist()  # type: ignore[no-any-return]
         if n > _SMALL:
             values = as_int64(token_ids)
             if values is None:
@@ -207,13 +206,14 @@ class Fingerprinter:
 
     def prompt_array(self, token_ids: Sequence[int], first: BlockKey = None, later: BlockKey = None) -> np.ndarray | None:
         """``fingerprints`` of a prompt's token ids as they came (a list, as tokenizers give
-        them), or None if one is not an int64: in one pass in C when ``kvflow._native`` is
-        built, else converted to an array for numpy."""
+        them), or None if one is not an int64: a list of ints in one pass in C when
+        ``kvflow._native`` is built, anything else converted to an array for numpy."""
         if native is not None and type(token_ids) is list:
             raw = native.fingerprints(token_ids, self._token_mix_bytes, self._k, self.root,
                                       self.key_mix(first), self.key_mix(later))
-            return None if raw is None else np.frombuffer(raw, np.uint64)
-        values = as_int64(token_ids)
+            if raw is not None:
+                return np.frombuffer(raw, np.uint64)
+        values = as_int64(token_ids)  # a token that is not a plain int: by its value, or None
         return None if values is None else self.fingerprints(values, first, later)
 
     def prompt(self, token_ids: Sequence[int], first: BlockKey = None, later: BlockKey = None) -> PromptFingerprints:
