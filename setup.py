@@ -1,7 +1,8 @@
 """The one thing pyproject.toml cannot say: kvflow's C extension, built where a compiler is.
 
-``kvflow._native`` (kvflow/_native.c) runs the router's per-decision loops over a prompt's
-blocks; without a C compiler the install goes on without it, and numpy computes the same.
+``kvflow._native`` (kvflow/_native.c) runs the loops a request goes through before it is
+routed (the built-in tokenizer's words, the prompt's fingerprints, their lookup in the index);
+without a C compiler the install goes on without it, and Python and numpy compute the same.
 """
 
 from setuptools import Extension, setup

@@ -249,13 +249,14 @@ class BuiltinTokenizer:
                 return None
             words = chunk.split(" ")
             ids: list[Any] = list(map(self._spaced.get, words, _MISSING))  # ids are never 0: 0 is a miss
-            missing = [i for i in range(1, len(ids)) if not ids[i]] if 0 in ids[1:] else []
+            ids[0] = words[0]  # the first word itself, as ``plain_words`` gives it
+            missing = [i for i in range(1, len(ids)) if not ids[i]] if 0 in ids else []
         else:
             looked = self._spaced.plain_words(chunk)
             if looked is None:
                 return None
             ids, missing = looked
-        first = ids[0] = words[0] if words is not None else ids[0]
+        first = ids[0]
         ids[0] = (self._ids.get(first) or self._piece_id(first)) if first else 0
         if missing:  # words not seen yet (or forgotten)
             words = words or chunk.split(" ")

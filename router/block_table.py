@@ -3,7 +3,8 @@
 The prefix indexes keep one entry per (block, endpoint); as Python dicts of sets that cost
 about 350 bytes an entry, so a million blocks on many pods took most of a gigabyte. Here
 every field is a slot in an ``array.array`` of machine ints, read and written from Python by
-index (numpy rebuilds the slots, compacts logs and looks up many computed hashes at once):
+index (numpy rebuilds the slots and compacts logs; a walk over computed hashes looks them up
+in C, ``kvflow._native``, or all at once with numpy where that is not built):
 
 * **blocks**, one record per distinct block: ``key[r]`` its 64-bit key (the router's prefix
   fingerprint, ``router/fingerprint.py``),

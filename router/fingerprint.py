@@ -20,7 +20,10 @@ mod 2**64, so a whole prompt's chain is computed at once with numpy::
 
     fp_i = K**i * (K*R + sum_{j<=i} m_j * K**-j)
 
-while an event's blocks chain on from their parent's fingerprint, whatever their depth.
+while an event's blocks chain on from their parent's fingerprint, whatever their depth. Where
+``kvflow._native`` is built, a list of ints is fingerprinted in one pass in C instead, block
+after block (``fp_i = fp_{i-1} * K + m_i``), reading the tokens where they are: the numpy form is
+the fallback and the specification (``tests/router/test_native.py``).
 
 ``key_i`` is a block's extra keys exactly as vLLM's events carry them (``to_event_extra_keys``:
 untagged, LoRA name, then ``(mm_identifier, offset)`` pairs, then the cache salt on block 0,

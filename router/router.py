@@ -26,7 +26,7 @@ from kvflow.router.kv_events import KvEventSubscriber
 from kvflow.router.load import LoadCounter
 from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResult
 from kvflow.router.observability import DecisionLog, RouterMetrics
-from kvflow.router.pd import PdPolicy, decide
+from kvflow.router.pd import Decision, PdPolicy, decide
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.request import PoolNames
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
@@ -232,7 +232,10 @@ class Router:
             )
         prefill_profile = self.profiles.get(self.config.pd_prefill_profile or name, profile)
         cycle = self._cycle(request)
-        self.speculative.expire(self._clock())
+        # Forgetting old guesses, recording the decision: after the send (``_later``), each a few
+        # dozen µs of sets and records freed, of no use to this decision (a guess then lives a
+        # decision longer than its ``ttl``).
+        self._later(self.speculative.expire, self._clock())
         decoders, prefillers = self.datastore.by_role()
         try:
             decision = decide(
@@ -250,12 +253,15 @@ class Router:
         )
         if len(self._pending) > 4096:
             self._pending.popitem(last=False)
-        seconds = perf_counter() - started
+        self._later(self._record, request, decision, perf_counter() - started, cycle)
+        return decision.result
+
+    def _record(self, request: SchedulingRequest, decision: Decision, seconds: float, cycle: Cycle) -> None:
+        """A decision into the metrics and the decision log."""
         if cut := cycle.data.get("prefix:evictions"):
             self.metrics.evictions_predicted_child.inc(cut)
         self.metrics.decided(decision, seconds, len(request.token_ids))
         self.log.add(request, decision, seconds, hashes=cycle.hashes)
-        return decision.result
 
     def explain(self, n: int = 10) -> list[dict[str, Any]]:
         return self.log.last(n)
