@@ -76,6 +76,7 @@ class Gateway:
             "/v1/completions": ("POST", self.completions),
             "/v1/chat/completions": ("POST", self.chat),
             "/v1/models": ("GET", self.models),
+            "/tokenize": ("POST", self.tokenize),
             "/health": ("GET", self.health),
             "/metrics": ("GET", self.prometheus),
         }
@@ -170,6 +171,22 @@ class Gateway:
                  "root": name, "parent": self.loras.get(name)} for name in self.names]
         send_json(out, 200, {"object": "list", "data": data}, ex.request_id)
 
+    async def tokenize(self, request: Request, out: Responder, ex: Exchange) -> None:
+        """vLLM's ``/tokenize`` (a prompt, or chat messages), answered by the gateway itself with
+        its pool's tokenizer, the one the router fingerprints with: no pod is asked."""
+        key = self.auth.check(request.headers.get("authorization"))
+        ex.key = key.name
+        body = parse_json(request.body, self._max_depth)
+        pool, _ = self._pool_of(body)
+        ex.model = pool.model
+        self.limiter.check(key.name)
+        if not isinstance(body.get("messages"), list) and not isinstance(body.get("prompt"), str):
+            raise InvalidRequestError("tokenize takes a prompt (a string) or messages (a list)", param="prompt")
+        router = pool.router
+        tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
+        send_json(out, 200, {"count": len(tokens), "max_model_len": router.max_prompt_tokens, "tokens": tokens,
+                             "token_strs": None}, ex.request_id)
+
     async def health(self, request: Request, out: Responder, ex: Exchange) -> None:
         send_json(out, 200, {"status": "ok", "models": list(self.pools)}, ex.request_id)
 
@@ -197,13 +214,7 @@ class Gateway:
         validate(kind, body)
         if client_kv_params(body, self.config.client_kv_transfer_params):
             request.body = encode(body)  # forwarded without them
-        model = body.get("model")
-        if model is None and len(self.pools) == 1:
-            model = next(iter(self.pools))  # as vLLM answers with its one model when none is named
-        found = self.names.get(model) if isinstance(model, str) else None
-        if found is None:
-            raise ModelNotFoundError(str(model))
-        pool, lora = found
+        pool, lora = self._pool_of(body)
         ex.model = pool.model
         self.limiter.check(key.name)
         client = key.name if self.auth.enabled else request.peer  # fairness between clients
@@ -212,6 +223,16 @@ class Gateway:
             await self._serve(request, out, ex, pool, body, lora)
         finally:
             pool.gate.release(client)
+
+    def _pool_of(self, body: dict[str, Any]) -> tuple[Pool, str | None]:
+        """The pool serving the body's ``model`` and the LoRA adapter it names (404 for none)."""
+        model = body.get("model")
+        if model is None and len(self.pools) == 1:
+            model = next(iter(self.pools))  # as vLLM answers with its one model when none is named
+        found = self.names.get(model) if isinstance(model, str) else None
+        if found is None:
+            raise ModelNotFoundError(str(model))
+        return found
 
     def _priority(self, request: Request, key: ApiKey, allowed: frozenset[str]) -> int:
         if key.priority is not None:

@@ -103,11 +103,17 @@ async def counters(session: aiohttp.ClientSession, pods: Sequence[Pod]) -> list[
 async def warm(pods: Sequence[Pod], text: str) -> None:
     """Tokenize ``text`` on every pod (``POST /tokenize``): a fresh simulated pod hashes each word
     the first time it sees one, which would slow its HTTP front end during the first run."""
+    await warm_urls([pod.url for pod in pods], text)
+
+
+async def warm_urls(urls: Sequence[str], text: str) -> None:
+    """``POST {url}/tokenize`` ``text`` at each URL: a pod, or the kvflow gateway, whose router
+    runs the pods' tokenizer (and answers vLLM's ``/tokenize`` itself)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        for pod in pods:
-            async with session.post(f"{pod.url}/tokenize", json={"model": MODEL, "prompt": text}) as resp:
+        for url in urls:
+            async with session.post(f"{url}/tokenize", json={"model": MODEL, "prompt": text}) as resp:
                 if resp.status != 200:
-                    raise RuntimeError(f"{pod.address} could not tokenize the warm-up text: {resp.status} "
+                    raise RuntimeError(f"{url} could not tokenize the warm-up text: {resp.status} "
                                        f"{(await resp.text())[:200]}")
 
 

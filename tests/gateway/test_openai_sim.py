@@ -3,6 +3,8 @@ all real processes on 127.0.0.x: chat and completions, streamed and not, models.
 
 from __future__ import annotations
 
+import json
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +18,8 @@ MODEL = "tiny"
 
 
 @pytest.fixture
-def gateway_url(sim_pods, tmp_path: Path):  # type: ignore[no-untyped-def]
+def stack(sim_pods, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """(the gateway's URL, the pods) for two simulated pods behind a real gateway."""
     pods = sim_pods(2, "--model", MODEL, "--profile", "instant")
     port = free_port()
     with ProcessGroup(tmp_path / "gw") as group:
@@ -24,7 +27,42 @@ def gateway_url(sim_pods, tmp_path: Path):  # type: ignore[no-untyped-def]
                                            *[a for p in pods for a in ("--endpoint", p.id)], "--profile", "least-load"),
                     ready_url=f"http://127.0.0.1:{port}/health")
         group.wait_ready(30)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}", pods
+
+
+@pytest.fixture
+def gateway_url(stack) -> str:  # type: ignore[no-untyped-def]
+    return f"{stack[0]}/v1"
+
+
+def post(url: str, body: object) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+def test_the_gateway_tokenizes_as_its_pods_do_without_asking_them(stack) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's /tokenize, answered by the gateway with the tokenizer its router fingerprints with."""
+    url, pods = stack
+    for body in ({"model": MODEL, "prompt": "Once upon a time, in a land far away"},
+                 {"prompt": "no model named: the one served", "add_special_tokens": False},
+                 {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Say something."}]}):
+        status, ours = post(f"{url}/tokenize", body)
+        assert status == 200, ours
+        theirs = post(f"{pods[0].url}/tokenize", {"model": MODEL, **body})[1]
+        assert ours["tokens"] == theirs["tokens"] and ours["count"] == len(ours["tokens"]) > 0  # type: ignore[arg-type]
+    for body, status, kind in (({"model": MODEL}, 400, "BadRequestError"),
+                               ({"model": MODEL, "prompt": 7}, 400, "BadRequestError"),
+                               ({"model": "no-such-model", "prompt": "x"}, 404, "NotFoundError")):
+        got = post(f"{url}/tokenize", body)
+        assert (got[0], got[1]["error"]["type"]) == (status, kind), got  # type: ignore[index]
+    with pytest.raises(urllib.error.HTTPError) as wrong_method:
+        urllib.request.urlopen(f"{url}/tokenize", timeout=10)
+    assert wrong_method.value.code == 405
 
 
 def test_the_openai_client_against_the_gateway(gateway_url: str) -> None:
