@@ -125,13 +125,13 @@ static PyObject *find_prefix(PyObject *self, PyObject *args) {
     int32_t *out = (int32_t *)PyBytes_AS_STRING(result);
     uint64_t mask = (uint64_t)size - 1;
     for (; found < n; found++) {
-        uint64_t h = hash[found], s = (h * mul) >> shift;
+        uint64_t h = hash[found], s = (h * mul) >> shift, probes = 1;
         int32_t r = slot[s];
-        while (r >= 0 && r < records && key[r] != h) {
+        while (r >= 0 && r < records && key[r] != h && probes++ < (uint64_t)size) {  /* a full table: a miss */
             s = (s + 1) & mask;
             r = slot[s];
         }
-        if (r < 0 || r >= records)
+        if (r < 0 || r >= records || key[r] != h)
             break;
         out[found] = r;
     }

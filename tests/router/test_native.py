@@ -117,3 +117,5 @@ def test_find_prefix_refuses_a_table_that_is_not_one_and_never_reads_past_the_ke
     home = (5 * index.mul % (1 << 64)) >> index.shift
     index.slots[home] = 9  # a record the keys do not have: a miss, not a read past their end
     assert native.find_prefix(index.slots, keys, np.array([5], np.uint64), index.mul, index.shift) == b""
+    full = array("i", [1] * 1024)  # every slot taken, none by the key: a miss, not an endless probe
+    assert native.find_prefix(full, keys, np.array([5], np.uint64), index.mul, index.shift) == b""
