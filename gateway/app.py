@@ -18,6 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvflow import openai_api
 from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, from_exception
 from kvflow.gateway.accesslog import AccessLog
 from kvflow.gateway.auth import ApiKey, Authenticator
@@ -177,15 +178,17 @@ class Gateway:
         key = self.auth.check(request.headers.get("authorization"))
         ex.key = key.name
         body = parse_json(request.body, self._max_depth)
+        req = openai_api.validate("tokenize", body)  # vLLM's TokenizeRequest, as the pods check it
+        if isinstance(req, openai_api.TokenizeChatRequest):
+            openai_api.refuse_request_chat_template(req)
         pool, _ = self._pool_of(body)
         ex.model = pool.model
         self.limiter.check(key.name)
-        if not isinstance(body.get("messages"), list) and not isinstance(body.get("prompt"), str):
-            raise InvalidRequestError("tokenize takes a prompt (a string) or messages (a list)", param="prompt")
         router = pool.router
         tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
+        strs = router.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
         send_json(out, 200, {"count": len(tokens), "max_model_len": router.max_prompt_tokens, "tokens": tokens,
-                             "token_strs": None}, ex.request_id)
+                             "token_strs": strs}, ex.request_id)
 
     async def health(self, request: Request, out: Responder, ex: Exchange) -> None:
         send_json(out, 200, {"status": "ok", "models": list(self.pools)}, ex.request_id)

@@ -14,6 +14,7 @@ from kvflow.gateway.metrics import GatewayMetrics, ModelMetrics
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.endpoints import Endpoint
+from kvflow.tokenizer import Tokenizer
 
 
 class PoolRouter(Protocol):
@@ -22,6 +23,9 @@ class PoolRouter(Protocol):
     async def stop(self) -> None: ...
 
     def tokenize(self, body: Mapping[str, Any]) -> list[int]: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     @property
     def offload_bytes(self) -> int: ...

@@ -587,5 +587,12 @@ def validate(kind: Endpoint, body: Any) -> Any:
     raise RequestValidationError.from_errors(errors)
 
 
+def refuse_request_chat_template(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    """vLLM without ``--trust-request-chat-template``: a chat template sent with the request is a 400."""
+    if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
+        raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is not "
+                                  "set. Refused request with untrusted chat template.")
+
+
 def parse_request(kind: Endpoint, raw: bytes) -> Any:
     return validate(kind, decode_json(raw))

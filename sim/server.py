@@ -304,9 +304,7 @@ async def tokenize(request: web.Request) -> web.Response:
     validation.resolve_model(req.model, state.served_names, list(state.loras))
     tok = state.tokenizer
     if isinstance(req, openai_api.TokenizeChatRequest):
-        if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
-            raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is "
-                                      "not set. Refused request with untrusted chat template.")
+        openai_api.refuse_request_chat_template(req)
         ids = chat_token_ids(tok, body)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)

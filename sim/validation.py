@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.errors import InvalidRequestError, KvflowError
-from kvflow.openai_api import ChatCompletionRequest, CompletionRequest, VllmValidationError
+from kvflow.openai_api import (
+    ChatCompletionRequest, CompletionRequest, VllmValidationError, refuse_request_chat_template,
+)
 from kvflow.tokenizer import Tokenizer, chat_token_ids
 
 MAX_N_SEQUENCES = 16384  # VLLM_MAX_N_SEQUENCES
@@ -203,9 +205,7 @@ def chat_prompt(req: ChatCompletionRequest, body: dict[str, Any], tokenizer: Tok
         if choice != "auto":
             desc = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
             raise InvalidRequestError(f"tool_choice={desc} requires --tool-call-parser to be set")
-    if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
-        raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is not "
-                                  "set. Refused request with untrusted chat template.")
+    refuse_request_chat_template(req)
     for name in ("mm_processor_kwargs", "media_io_kwargs"):
         if getattr(req, name):
             raise VllmValidationError(

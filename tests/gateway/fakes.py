@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.endpoints import Endpoint
+from kvflow.tokenizer import BuiltinTokenizer
 
 
 @dataclass
@@ -37,6 +38,10 @@ class ScriptedRouter:
 
     def tokenize(self, body: Mapping[str, Any]) -> list[int]:
         return [1, 2, 3]
+
+    @property
+    def tokenizer(self) -> BuiltinTokenizer:
+        return BuiltinTokenizer()
 
     def schedule(self, request: SchedulingRequest) -> SchedulingResult:
         self.scheduled.append(request)

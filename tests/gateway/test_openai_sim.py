@@ -47,7 +47,7 @@ def post(url: str, body: object) -> tuple[int, dict[str, object]]:
 def test_the_gateway_tokenizes_as_its_pods_do_without_asking_them(stack) -> None:  # type: ignore[no-untyped-def]
     """vLLM's /tokenize, answered by the gateway with the tokenizer its router fingerprints with."""
     url, pods = stack
-    for body in ({"model": MODEL, "prompt": "Once upon a time, in a land far away"},
+    for body in ({"model": MODEL, "prompt": "Once upon a time, in a land far away", "return_token_strs": True},
                  {"prompt": "no model named: the one served", "add_special_tokens": False},
                  {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
                                                {"role": "user", "content": "Say something."}]}):
@@ -55,11 +55,14 @@ def test_the_gateway_tokenizes_as_its_pods_do_without_asking_them(stack) -> None
         assert status == 200, ours
         theirs = post(f"{pods[0].url}/tokenize", {"model": MODEL, **body})[1]
         assert ours["tokens"] == theirs["tokens"] and ours["count"] == len(ours["tokens"]) > 0  # type: ignore[arg-type]
-    for body, status, kind in (({"model": MODEL}, 400, "BadRequestError"),
-                               ({"model": MODEL, "prompt": 7}, 400, "BadRequestError"),
-                               ({"model": "no-such-model", "prompt": "x"}, 404, "NotFoundError")):
-        got = post(f"{url}/tokenize", body)
-        assert (got[0], got[1]["error"]["type"]) == (status, kind), got  # type: ignore[index]
+        assert ours["token_strs"] == theirs["token_strs"]
+    for body, status in (({"model": MODEL}, 400), ({"model": MODEL, "prompt": 7}, 400),
+                         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                           "chat_template": "{{ messages }}"}, 400),
+                         ({"model": "no-such-model", "prompt": "x"}, 404)):
+        ours, theirs = post(f"{url}/tokenize", body), post(f"{pods[0].url}/tokenize", body)
+        assert ours[0] == theirs[0] == status, (ours, theirs)  # refused as the pods refuse it
+        assert ours[1]["error"]["type"] == theirs[1]["error"]["type"], (ours, theirs)  # type: ignore[index]
     with pytest.raises(urllib.error.HTTPError) as wrong_method:
         urllib.request.urlopen(f"{url}/tokenize", timeout=10)
     assert wrong_method.value.code == 405
