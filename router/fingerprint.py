@@ -167,10 +167,8 @@ class Fingerprinter:
         one): without ``kvflow._native`` (or with keys), those are computed in plain Python,
         which numpy's fixed costs would outweigh."""
         n = len(token_ids) // self.block_size
-        if native is not None and keys is None and type(token_ids) is list:
-            raw = native.fingerprints(token_ids, self._token_mix_bytes, self._k, parent, 0, 0)
-            if raw is not None:
-                return np.frombuffer(raw, np.uint64).tolist()  # type: ignore[no-any-return]
+        if keys is None and (chained := self._in_c(token_ids, parent, 0, 0)) is not None:
+            return chained.tolist()  # type: ignore[no-any-return]
         if n > _SMALL:
             values = as_int64(token_ids)
             if values is None:
@@ -211,13 +209,19 @@ class Fingerprinter:
         """``fingerprints`` of a prompt's token ids as they came (a list, as tokenizers give
         them), or None if one is not an int64: a list of ints in one pass in C when
         ``kvflow._native`` is built, anything else converted to an array for numpy."""
-        if native is not None and type(token_ids) is list:
-            raw = native.fingerprints(token_ids, self._token_mix_bytes, self._k, self.root,
-                                      self.key_mix(first), self.key_mix(later))
-            if raw is not None:
-                return np.frombuffer(raw, np.uint64)
+        chained = self._in_c(token_ids, self.root, self.key_mix(first), self.key_mix(later))
+        if chained is not None:
+            return chained
         values = as_int64(token_ids)  # a token that is not a plain int: by its value, or None
         return None if values is None else self.fingerprints(values, first, later)
+
+    def _in_c(self, token_ids: Sequence[int], parent: int, first_mix: int, later_mix: int) -> np.ndarray | None:
+        """The fingerprints of a list of plain ints in one pass in C, chained on ``parent``; None
+        where ``kvflow._native`` is not built, or a token is not a plain int64 (numpy decides)."""
+        if native is None or type(token_ids) is not list:
+            return None
+        raw = native.fingerprints(token_ids, self._token_mix_bytes, self._k, parent, first_mix, later_mix)
+        return None if raw is None else np.frombuffer(raw, np.uint64)
 
     def prompt(self, token_ids: Sequence[int], first: BlockKey = None, later: BlockKey = None) -> PromptFingerprints:
         """A request's fingerprints, computed when first read."""
