@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,11 +33,45 @@ def kvflow_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvflow", *args]
 
 
+_LISTEN_PORTS = (10_000, 31_000)
+"""Where ``free_port`` draws from: below the kernel's ephemeral range (32768-60999 by default),
+from which every outgoing connection takes its port, and with room for a pod's port + 1000 (the
+simulator's default NIXL side channel, which must stay below 32768)."""
+_handed_out: set[tuple[str, int]] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the kernel's pick), for a child to listen on."""
-    with socket.socket() as s:
+    """A TCP port free on ``host`` right now, for a child to listen on.
+
+    The kernel's own pick (bind to port 0) comes from its ephemeral range, so in the moment
+    before the child binds it, an outgoing connection of a busy test or benchmark could take it
+    (a child failing with EADDRINUSE, about one start in 60 under the routing benchmark). A
+    port drawn below that range is never taken so; and this process never hands one out twice.
+    """
+    low, high = _LISTEN_PORTS
+    ephemeral = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200 if ephemeral > high + 1000 else 0):
+        port = rng.randrange(low, high)
+        if (host, port) in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add((host, port))
+        return port
+    with socket.socket() as s:  # a machine whose ephemeral range leaves no room below it
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:

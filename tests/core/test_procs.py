@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,36 @@ def test_a_signal_while_a_child_starts_still_lets_the_group_stop_it(tmp_path: Pa
         signal.signal(signal.SIGTERM, previous)
     assert [c.name for c in group.children] == ["sleeper"]
     assert not group.children[0].alive()  # the group's exit stopped it
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice(monkeypatch) -> None:
+    # outgoing connections take their ports from the ephemeral range: none can steal these
+    # between the pick and the child's bind
+    monkeypatch.setattr(procs, "_ephemeral_low", lambda: 32768)  # Linux's default
+    ports = [procs.free_port("127.0.0.1") for _ in range(200)]
+    low, high = procs._LISTEN_PORTS
+    assert all(low <= p < high for p in ports)
+    assert high + 1000 < 32768  # the pick + 1000 (a NIXL side channel) is outside it too
+    assert len(set(ports)) == len(ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free, as promised
+
+
+def test_free_port_skips_a_port_someone_listens_on(monkeypatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", 0))
+            free = other.getsockname()[1]
+        draws = iter([busy, busy, free])
+
+        class Rigged:
+            def randrange(self, low: int, high: int) -> int:
+                return next(draws)
+
+        monkeypatch.setattr(procs.random, "SystemRandom", Rigged)
+        monkeypatch.setattr(procs, "_LISTEN_PORTS", (1024, 65535))
+        monkeypatch.setattr(procs, "_ephemeral_low", lambda: 65535 + 2000)
+        assert procs.free_port("127.0.0.1") == free
