@@ -178,17 +178,14 @@ class Gateway:
         key = self.auth.check(request.headers.get("authorization"))
         ex.key = key.name
         body = parse_json(request.body, self._max_depth)
-        req = openai_api.validate("tokenize", body)  # vLLM's TokenizeRequest, as the pods check it
-        if isinstance(req, openai_api.TokenizeChatRequest):
-            openai_api.refuse_request_chat_template(req)
+        req = openai_api.tokenize_request(body)  # as the pods check it
         pool, _ = self._pool_of(body)
         ex.model = pool.model
         self.limiter.check(key.name)
         router = pool.router
         tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
-        strs = router.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
-        send_json(out, 200, {"count": len(tokens), "max_model_len": router.max_prompt_tokens, "tokens": tokens,
-                             "token_strs": strs}, ex.request_id)
+        send_json(out, 200, openai_api.tokenize_answer(router.tokenizer, tokens, router.max_prompt_tokens, req),
+                  ex.request_id)
 
     async def health(self, request: Request, out: Responder, ex: Exchange) -> None:
         send_json(out, 200, {"status": "ok", "models": list(self.pools)}, ex.request_id)

@@ -594,5 +594,21 @@ def refuse_request_chat_template(req: ChatCompletionRequest | TokenizeChatReques
                                   "set. Refused request with untrusted chat template.")
 
 
+def tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A ``/tokenize`` body checked as vLLM checks it: its ``TokenizeRequest``, and no chat
+    template of the request's own."""
+    req = validate("tokenize", body)
+    if isinstance(req, TokenizeChatRequest):
+        refuse_request_chat_template(req)
+    return req  # type: ignore[no-any-return]
+
+
+def tokenize_answer(tokenizer: Any, tokens: list[int], max_model_len: int | None,
+                    req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    """vLLM's ``TokenizeResponse`` for ``tokens`` (``tokenizer``: ``convert_ids_to_tokens``)."""
+    strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
+
+
 def parse_request(kind: Endpoint, raw: bytes) -> Any:
     return validate(kind, decode_json(raw))

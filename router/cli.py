@@ -23,9 +23,12 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvflow import openai_api
+from kvflow.errors import KvflowError
 from kvflow.router.config import load_config, read_source
 from kvflow.router.epp import TlsOptions, serve_health, server_credentials
 from kvflow.router.extproc import ExtProcLimits, serve
+from kvflow.router.request import tokens_off_loop
 from kvflow.routing_headers import check_allowable
 from kvflow.router.router import Router
 from kvflow.router.tokenizer_policy import choose_tokenizer
@@ -133,11 +136,23 @@ def metrics_app(router: Router) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def tokenize(request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize`` with the router's own tokenizer, the one it fingerprints prompts
+        with: what it sees of a prompt, to set beside a pod's answer (and a benchmark warms it)."""
+        try:
+            body = openai_api.decode_json(await request.read())
+            req = openai_api.tokenize_request(body)
+            tokens = await tokens_off_loop(router.tokenize, body, request.content_length or 0, router.offload_bytes)
+        except KvflowError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        return web.json_response(openai_api.tokenize_answer(router.tokenizer, tokens, router.max_prompt_tokens, req))
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/decisions", decisions)
     app.router.add_get("/debug/endpoints", endpoints)
     app.router.add_get("/healthz", healthz)
+    app.router.add_post("/tokenize", tokenize)
     return app
 
 

@@ -300,16 +300,14 @@ async def _stream(request: web.Request, state: SimState, gen: Generation, head: 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = openai_api.decode_json(await request.read())
-    req = openai_api.validate("tokenize", body)
+    req = openai_api.tokenize_request(body)
     validation.resolve_model(req.model, state.served_names, list(state.loras))
     tok = state.tokenizer
     if isinstance(req, openai_api.TokenizeChatRequest):
-        openai_api.refuse_request_chat_template(req)
         ids = chat_token_ids(tok, body)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+    return json_response(openai_api.tokenize_answer(tok, ids, state.max_model_len, req))
 
 
 async def detokenize(request: web.Request) -> web.Response:

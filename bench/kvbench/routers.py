@@ -158,6 +158,9 @@ class Process:
     name: str
     argv: list[str]
     ready_url: str
+    tokenizer_url: str | None = None
+    """Where it answers vLLM's ``POST /tokenize`` with the tokenizer it routes by (kvflow's
+    gateway, or its router behind Envoy): warmed there as the pods are (no peer tokenizes)."""
 
 
 def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[Process]:
@@ -165,7 +168,9 @@ def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -
     router at 127.0.0.1:``port``."""
     if spec.kind == ENVOY:
         return envoy_stack(spec, pods, port, log_dir)
-    return [Process(spec.name.replace(" ", "-"), argv(spec, pods, port, log_dir), f"http://127.0.0.1:{port}/health")]
+    url = f"http://127.0.0.1:{port}"
+    return [Process(spec.name.replace(" ", "-"), argv(spec, pods, port, log_dir), f"{url}/health",
+                    url if spec.kind == "kvflow" else None)]
 
 
 def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[Process]:
@@ -182,7 +187,7 @@ def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path)
                                            [p.endpoint for p in pods], admin=("127.0.0.1", admin))))
     return [
         Process("kvflow-router", router + (["--profile", spec.policy] if spec.policy else []),
-                f"http://127.0.0.1:{metrics}/healthz"),
+                f"http://127.0.0.1:{metrics}/healthz", f"http://127.0.0.1:{metrics}"),
         Process("envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
                 f"http://127.0.0.1:{admin}/ready"),
     ]

@@ -3,7 +3,7 @@
 For each workload: find where round-robin saturates on the replay (unless rates are given),
 replay every rate's trace offline (round-robin, the oracle, kvflow's router, the bound), then,
 for each router in turn, start fresh pods (warmed alike: their tokenizers have seen the traces'
-words, not their prompts) and the router (the kvflow gateway's tokenizer warmed the same way),
+words, not their prompts) and the router (kvflow's tokenizer, in its gateway or behind Envoy, warmed the same way),
 and per rate drain and reset the pods' caches, send
 the trace open-loop and read the pods' counters before and after. The live oracle starts no
 router: its client sends each request to the pod the oracle's replay placed it on.
@@ -167,8 +167,8 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
             continue
         # Fresh pods for every router, warmed alike: pods that served an earlier router's runs
         # have tokenized its prompts before (the simulator's tokenizer remembers words and text
-        # chunks), which took 2-3 ms off the path of whichever router ran second. The kvflow
-        # gateway runs the same tokenizer: it is warmed with the same words once it is up.
+        # chunks), which took 2-3 ms off the path of whichever router ran second. kvflow's
+        # gateway, or its router behind Envoy, runs the same tokenizer: warmed so once it is up.
         log_dir = opts.log_dir / workload.name / spec.name.replace(" ", "-").replace(":", "-")
         with ProcessGroup(log_dir) as group:
             fleet = await asyncio.to_thread(podlib.start_pods, group, decode=workload.decode_pods,
@@ -195,8 +195,8 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
                 outcome.skipped.append(f"{spec.name}: did not start: {str(exc)[:300]}")
                 log(opts, f"  skipping {spec.name}: did not start: {exc}")
                 continue
-            if spec.kind == "kvflow":  # its router tokenizes with the pods' tokenizer: warmed as they are
-                await podlib.warm_urls([f"http://127.0.0.1:{port}"], vocabulary)
+            # kvflow's router tokenizes with the pods' tokenizer: warmed as they are
+            await podlib.warm_urls([p.tokenizer_url for p in procs if p.tokenizer_url], vocabulary)
             await asyncio.sleep(opts.settle)
             for rate in rates:
                 url = f"http://127.0.0.1:{port}/v1/completions"
