@@ -213,25 +213,30 @@ class BuiltinTokenizer:
         return token_id
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self._plain_ids(text) if text and text[0] != " " else None
+        first = [self.bos_token_id] if add_special_tokens else []
+        ids = self._plain_ids(text, first) if text and text[0] != " " else None
         if ids is None:
             known, new = self._ids.get, self._piece_id
-            ids = [known(p) or new(p) for p in _PIECE.findall(text)]
-        return [self.bos_token_id, *ids] if add_special_tokens else ids
+            first += [known(p) or new(p) for p in _PIECE.findall(text)]
+            ids = first
+        return ids
 
-    def _plain_ids(self, text: str) -> list[int] | None:
-        """The ids of text made of words and single spaces (most prompts), else None.
+    def _plain_ids(self, text: str, ids: list[int]) -> list[int] | None:
+        """``ids`` extended by the ids of text made of words and single spaces (most prompts),
+        else None (``ids`` as it came).
 
         Such text splits at its spaces (" word" for every word after the first), so it can be cut
         before any space and tokenized piece by piece. The cuts are ``split_at_spaces``' (the
-        Hugging Face tokenizer's too), so prompts sharing a prefix share its chunks."""
-        ids: list[int] = []
+        Hugging Face tokenizer's too), so prompts sharing a prefix share its chunks. (Extending
+        the caller's list spares a copy of a long prompt's ids.)"""
+        start = len(ids)
         chunks = self._chunks
         for chunk in split_at_spaces(text, self.CHUNK):
             got = chunks.get(chunk)
             if got is None:
                 got = self._words(chunk)
                 if got is None:
+                    del ids[start:]
                     return None
                 if len(chunks) >= self.MAX_CHUNKS:
                     chunks.clear()
