@@ -178,7 +178,7 @@ class Gateway:
         key = self.auth.check(request.headers.get("authorization"))
         ex.key = key.name
         body = parse_json(request.body, self._max_depth)
-        req = openai_api.tokenize_request(body)  # as the pods check it
+        req = openai_api.tokenize_request(body, lambda _model: self._pool_of(body))  # as the pods check it
         pool, _ = self._pool_of(body)
         ex.model = pool.model
         self.limiter.check(key.name)

@@ -594,10 +594,14 @@ def refuse_request_chat_template(req: ChatCompletionRequest | TokenizeChatReques
                                   "set. Refused request with untrusted chat template.")
 
 
-def tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
-    """A ``/tokenize`` body checked as vLLM checks it: its ``TokenizeRequest``, and no chat
-    template of the request's own."""
+def tokenize_request(body: Any, resolve_model: Callable[[str | None], object] | None = None,
+                     ) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A ``/tokenize`` body checked as vLLM checks it, in its order: its ``TokenizeRequest``, the
+    model it names (``resolve_model``: the server's check, raising for a model it does not
+    serve), and no chat template of the request's own."""
     req = validate("tokenize", body)
+    if resolve_model is not None:
+        resolve_model(req.model)
     if isinstance(req, TokenizeChatRequest):
         refuse_request_chat_template(req)
     return req  # type: ignore[no-any-return]

@@ -300,8 +300,8 @@ async def _stream(request: web.Request, state: SimState, gen: Generation, head: 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = openai_api.decode_json(await request.read())
-    req = openai_api.tokenize_request(body)
-    validation.resolve_model(req.model, state.served_names, list(state.loras))
+    req = openai_api.tokenize_request(
+        body, lambda model: validation.resolve_model(model, state.served_names, list(state.loras)))
     tok = state.tokenizer
     if isinstance(req, openai_api.TokenizeChatRequest):
         ids = chat_token_ids(tok, body)

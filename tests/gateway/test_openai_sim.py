@@ -59,7 +59,9 @@ def test_the_gateway_tokenizes_as_its_pods_do_without_asking_them(stack) -> None
     for body, status in (({"model": MODEL}, 400), ({"model": MODEL, "prompt": 7}, 400),
                          ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                            "chat_template": "{{ messages }}"}, 400),
-                         ({"model": "no-such-model", "prompt": "x"}, 404)):
+                         ({"model": "no-such-model", "prompt": "x"}, 404),
+                         ({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}],
+                           "chat_template": "{{ messages }}"}, 404)):  # vLLM checks the model first
         ours, theirs = post(f"{url}/tokenize", body), post(f"{pods[0].url}/tokenize", body)
         assert ours[0] == theirs[0] == status, (ours, theirs)  # refused as the pods refuse it
         assert ours[1]["error"]["type"] == theirs[1]["error"]["type"], (ours, theirs)  # type: ignore[index]
