@@ -38,7 +38,7 @@ from kvflow.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvflow.sim.request import BlockHasher, HashConfig, LoraAdapter, SimRequest
 from kvflow.sim.sampler import Sampler
 from kvflow.sim.validation import Limits, Prompt, Sampling
-from kvflow.tokenizer import Tokenizer, chat_token_ids, conversation
+from kvflow.tokenizer import Tokenizer, conversation, prompt_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -302,12 +302,8 @@ async def tokenize(request: web.Request) -> web.Response:
     body = openai_api.decode_json(await request.read())
     req = openai_api.tokenize_request(
         body, lambda model: validation.resolve_model(model, state.served_names, list(state.loras)))
-    tok = state.tokenizer
-    if isinstance(req, openai_api.TokenizeChatRequest):
-        ids = chat_token_ids(tok, body)
-    else:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return json_response(openai_api.tokenize_answer(tok, ids, state.max_model_len, req))
+    ids = prompt_token_ids(state.tokenizer, body)  # a prompt, or chat messages rendered: as the gateway and router
+    return json_response(openai_api.tokenize_answer(state.tokenizer, ids, state.max_model_len, req))
 
 
 async def detokenize(request: web.Request) -> web.Response:
