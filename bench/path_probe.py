@@ -8,8 +8,10 @@
 Joins the gateway's and the simulated pods' records by request id (their clocks are the
 machine's one monotonic clock) and prints the mean, median and p90 of every hop in ms: the
 gateway's work before it sends, the way to the pod, the pod's own front end, the engine, the
-way back. Under a peer router (no request ids), only the pods' hops are printed. Run one router
-per probe folder.
+way back. Under a peer router (no request ids), only the pods' hops are printed. Either way the
+load generator's records, joined to the pods' by each request's seed, add the whole way there,
+the whole way back and the path (the client's TTFT less the engine's), so a peer's path is split
+as kvflow's is. Run one router per probe folder.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ POD_HOPS: list[Hop] = [
     ("pod: engine TTFT", lambda g, p: p["first_token"] - p["engine"]),
     ("pod: first token to written", lambda g, p: p["written"] - p["first_token"]),
 ]
+CLIENT_HOPS: list[Hop] = [
+    ("client: sent to the pod's handler (the way there)", lambda c, p: p["handler"] - c["sent"]),
+    ("pod written to the client's first token (way back)", lambda c, p: c["first"] - p["written"]),
+    ("client TTFT less the pod engine's TTFT (the path)",
+     lambda c, p: (c["first"] - c["sent"]) - (p["first_token"] - p["engine"])),
+]
+"""Through any router, peers included: the load generator's records joined to the pods' by the
+request's seed."""
 BACK_HOPS: list[Hop] = [
     ("pod written to the gateway holding it", lambda g, p: g["first_chunk"] - p["written"]),
     ("gateway: handled to first chunk", lambda g, p: g["first_chunk"] - g["handled"]),
@@ -73,6 +83,8 @@ def report(folder: Path) -> str:
     gateway, lag = load(folder, "gateway")
     pod_records = load(folder, "sim")[0]
     pods = {r["rid"]: r for r in pod_records if r.get("rid")}
+    by_seed = {r["seed"]: r for r in pod_records if "seed" in r}
+    client = [(c, by_seed[c["seed"]]) for c in load(folder, "client")[0] if c["seed"] in by_seed]
     joined = [(g, pods[g["rid"]]) for g in gateway if g.get("rid") in pods and "schedule" in g]
     lines = [f"{'hop (ms)':<54} {'mean':>8} {'median':>8} {'p90':>8}"]
     if joined:
@@ -89,6 +101,10 @@ def report(folder: Path) -> str:
             lines.append(f"{name:<54} {summary([hop({}, p) for p in pod_records])}")
     else:
         return f"no probe records in {folder}"
+    if client:
+        lines.append(f"from the load generator ({len(client)} requests joined by seed):")
+        for name, hop in CLIENT_HOPS:
+            lines.append(f"{name:<54} {summary([hop(c, p) for c, p in client])}")
     return "\n".join(lines)
 
 

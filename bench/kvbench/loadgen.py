@@ -58,6 +58,8 @@ class Run:
     wall: float
     cpu: float
     """The generator's own CPU seconds (user + system) over the run."""
+    started: float = 0.0
+    """``time.perf_counter()`` when the run began: the results' times count from it."""
 
     @property
     def cpu_share(self) -> float:
@@ -142,7 +144,7 @@ async def _run(urls: Sequence[str], trace: Trace, model: str, timeout: float) ->
             tasks.append(asyncio.create_task(chain(root)))
         await asyncio.gather(*tasks)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return Run(tuple(results), wall, cpu)
+    return Run(tuple(results), wall, cpu, t0)
 
 
 async def _stream(resp: aiohttp.ClientResponse, res: Result, t0: float) -> str:

@@ -9,6 +9,8 @@ way through it, and appends it to ``<folder>/<role>-<pid>.jsonl`` every second a
   handled, serving (parsed, validated, admitted), the time tokenizing and scheduling took (wall
   and the thread's CPU time: the difference is the time the process was not running), sent to
   the pod, first chunk back, and its event loop's lag on 5 ms timers;
+* the routing benchmark's load generator (``kvflow bench routing``): each request's send and
+  first token, and its ``seed``, whichever router it went through (so a peer's hops show too);
 * a simulated pod: its handler entered, the engine's arrival and first token, the first token
   written out; its own address and the request's ``seed`` (the routing benchmark's requests each
   have their own), which say where a router placed each request of a trace
@@ -25,6 +27,7 @@ import sys
 
 _FOLDER = os.environ.get("KVFLOW_PATH_PROBE")
 _ROLE = sys.argv[1] if _FOLDER and len(sys.argv) > 1 and sys.argv[0] == "-m" else None  # python -m kvflow ROLE
+_BENCH = bool(_FOLDER) and sys.argv[1:3] == ["bench", "routing"]  # the load generator's process
 
 
 def _dump_every(seconds: float, role: str, state: dict[str, list[object]]) -> None:
@@ -171,7 +174,32 @@ def _probe_sim() -> None:
     server.completions, server._stream, choices.Generation.chunks = handler, streamed, first_out
 
 
-if _ROLE == "gateway":
+def _probe_client() -> None:
+    import functools
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, where kvbench is
+    from kvbench import loadgen
+
+    records: list[object] = []
+    _dump_every(1.0, "client", {"requests": records})
+    run = loadgen.run
+
+    @functools.wraps(run)
+    async def recorded(url, trace, **kwargs):  # type: ignore[no-untyped-def]
+        got = await run(url, trace, **kwargs)
+        for result, request in zip(got.results, trace.requests):
+            if result.ok:  # perf_counter is the machine's monotonic clock, as the other records'
+                records.append({"seed": request.seed, "sent": got.started + result.sent,
+                                "first": got.started + result.first})
+        return got
+
+    loadgen.run = recorded
+
+
+if _BENCH:
+    _probe_client()
+elif _ROLE == "gateway":
     _probe_gateway()
 elif _ROLE == "sim":
     _probe_sim()

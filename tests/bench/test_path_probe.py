@@ -8,12 +8,15 @@ way (what ``bench/path_probe.py`` reports as hops).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 from collections import Counter
 from pathlib import Path
 
 import path_probe
 import replay_placements
+from kvbench import loadgen
 from kvbench.runner import Options, bench_workload
 from kvbench.workloads import Workload
 
@@ -34,6 +37,7 @@ async def test_every_streamed_request_is_stamped_on_both_sides_and_joined_by_its
     probe.mkdir()
     monkeypatch.setenv("KVFLOW_PATH_PROBE", str(probe))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")])))
+    client = _probe_this_process(monkeypatch)  # the load generator runs here, not in `kvflow bench routing`
     outcome = await bench_workload(TINY, ["kvflow"], Options(duration=2.0, rates=(4.0,), settle=0.5,
                                                              log_dir=tmp_path / "logs", verbose=False))
     (row,) = [r for r in outcome.rows if r.measured]
@@ -50,8 +54,32 @@ async def test_every_streamed_request_is_stamped_on_both_sides_and_joined_by_its
         assert 0 < g["tokenize"] + g["schedule"] <= g["sent"] - g["serving"]
     assert f"({row.requests} requests joined by id)" in path_probe.report(probe)
 
+    # the load generator's records join the pods' by seed, on the same clock: whichever router
+    # carried it, a request was sent before its pod's handler saw it and got its first token
+    # after the pod wrote it
+    (probe / "client-0.jsonl").write_text("".join(json.dumps(["requests", c]) + "\n" for c in client))
+    by_seed = {p["seed"]: p for p in pods.values()}
+    assert len(client) == row.requests
+    for c in client:
+        p = by_seed[c["seed"]]
+        assert c["sent"] < p["handler"] and p["written"] <= c["first"]
+    assert f"from the load generator ({row.requests} requests joined by seed)" in path_probe.report(probe)
+
     # the pod records also say where each request of the trace went: replayed there, the
     # simulation puts as many on each pod as the pods' own counters did
     placed, engine_ttft = replay_placements.placements(list(pods.values()), TINY.trace(4.0, 2.0, 0))
     assert len(placed) == len(engine_ttft) == row.requests
     assert sorted(Counter(placed.values()).values()) == sorted(n for n in row.requests_per_pod if n)
+
+
+def _probe_this_process(monkeypatch) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    """The probe's load-generator records, kept in a list instead of a file (no dump thread)."""
+    spec = importlib.util.spec_from_file_location("path_probe_sitecustomize", SITE / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)  # this process is no kvflow component: nothing is patched yet
+    kept: dict[str, list[dict[str, float]]] = {}
+    monkeypatch.setattr(site, "_dump_every", lambda seconds, role, state: kept.update(state))
+    monkeypatch.setattr(loadgen, "run", loadgen.run)  # put back after the test
+    site._probe_client()
+    return kept["requests"]
