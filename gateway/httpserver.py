@@ -86,12 +86,14 @@ class Request:
 class Responder:
     """Writes one answer: ``send`` a whole one, or ``start`` + ``write``... + ``end`` a stream."""
 
-    __slots__ = ("_conn", "_keep_alive", "started", "status")
+    __slots__ = ("_conn", "_keep_alive", "started", "status", "_head_unsent")
 
     def __init__(self, conn: _Connection, keep_alive: bool) -> None:
         self._conn, self._keep_alive = conn, keep_alive
         self.started = False
         self.status = 0
+        self._head_unsent = b""
+        """A stream's head, until its first chunk goes with it."""
 
     def _head(self, status: int, headers: Iterable[Header], framing: str) -> bytes:
         self.started, self.status = True, status
@@ -108,25 +110,37 @@ class Responder:
         self._conn.write(self._head(status, headers, f"Content-Length: {len(body)}\r\n") + body)
 
     def start(self, status: int, headers: Iterable[Header] = ()) -> None:
-        self._conn.write(self._head(status, headers, "Transfer-Encoding: chunked\r\n"))
+        """Begin a stream. Its head is written with the first ``write`` (or ``drain``, ``end``):
+        the client gets the head and the first token in one segment, and its reader wakes once."""
+        self._head_unsent = self._head(status, headers, "Transfer-Encoding: chunked\r\n")
+
+    def _framed(self, chunk: bytes) -> bytes:
+        """``chunk`` as a chunk of the stream, after the head if it is still to go."""
+        data = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b""
+        if self._head_unsent:
+            data, self._head_unsent = self._head_unsent + data, b""
+        return data
 
     async def write(self, chunk: bytes) -> None:
         """One chunk of a stream; ConnectionResetError once the client has gone (or stopped reading)."""
-        if chunk:
-            self._conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        data = self._framed(chunk)
+        if data:
+            self._conn.write(data)
             await self._conn.drain()
 
     def write_now(self, chunk: bytes) -> bool:
         """``write`` without waiting (a relay's callback): False once the client has gone or its
         buffer is full, and then ``drain`` says which."""
-        return self._conn.write_now(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b"")
+        return self._conn.write_now(self._framed(chunk))
 
     async def drain(self) -> None:
         """Until the client has room again; ConnectionResetError once it has gone."""
+        if self._head_unsent:
+            self._conn.write(self._framed(b""))
         await self._conn.drain()
 
     def end(self) -> None:
-        self._conn.write(b"0\r\n\r\n")
+        self._conn.write(self._framed(b"") + b"0\r\n\r\n")
 
     @property
     def closed(self) -> bool:

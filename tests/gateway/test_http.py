@@ -23,6 +23,13 @@ async def echo(request: Request, out: Responder) -> None:
             await out.write(f"data: {i}\n\n".encode())
         out.end()
         return
+    if request.path == "/late-stream":  # its first piece comes after a while, an empty stream at once
+        out.start(200, [("Content-Type", "text/event-stream")])
+        if request.query != "empty":
+            await asyncio.sleep(0.05)
+            await out.write(b"data: 0\n\n")
+        out.end()
+        return
     if request.path == "/hang":
         await asyncio.sleep(3600)
     data = {"method": request.method, "path": request.path, "query": request.query,
@@ -82,6 +89,21 @@ async def test_aiohttp_reads_streams_and_whole_answers(server: str) -> None:
             assert (r.status, await r.text()) == (200, "data: 0\n\ndata: 1\n\ndata: 2\n\n")
         async with session.post(f"http://{server}/p", data=b"hi") as r:
             assert (await r.json())["body"] == "hi"
+
+
+async def test_a_streams_head_goes_out_with_its_first_piece(server: str) -> None:
+    # one write: the client's first read has both (and wakes once for the first token)
+    host, port = server.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /late-stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n\r\n9\r\ndata: 0\n\n\r\n" in first
+
+
+async def test_a_stream_with_no_piece_still_sends_its_head(server: str) -> None:
+    got = await raw(server, b"GET /late-stream?empty HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n") and got.endswith(b"\r\n\r\n0\r\n\r\n")
 
 
 async def test_a_client_that_leaves_cancels_the_handler() -> None:
@@ -277,6 +299,7 @@ async def ticker() -> AsyncIterator[tuple[str, int]]:
     async def handle(request: Request, out: Responder) -> None:
         q = dict(part.split("=") for part in request.query.split("&"))
         out.start(200, [("Content-Type", "text/event-stream")])
+        await out.drain()  # the head at once (else it goes with the first piece)
         for i in range(int(q["n"])):
             await asyncio.sleep(float(q["every"]))
             await out.write(f"data: {i}\n\n".encode())
