@@ -41,6 +41,7 @@ def kv_transfer_config(svc: LLMService) -> str:
     return json.dumps({
         "kv_connector": svc.spec.kv_transfer.connector,
         "kv_role": svc.spec.kv_transfer.kv_role,
+        "kv_load_failure_policy": svc.spec.kv_transfer.load_failure_policy,
     }, separators=(",", ":"))
 
 

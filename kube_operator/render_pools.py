@@ -123,7 +123,8 @@ def revision(svc: LLMService, images: names.Images) -> str:
         "model": spec.model.model_dump(mode="json", exclude={"lora_adapters"}),
         "engine": engine.model_dump(mode="json", exclude={"port", "image_pull_policy"}),
         "image": engine_image(svc, images), "hashSeed": spec.routing.hash_seed,
-        "kvTransfer": spec.kv_transfer.model_dump(mode="json"),
+        # what a decode pod does when a pull fails changes no KV (nor, so, any revision)
+        "kvTransfer": spec.kv_transfer.model_dump(mode="json", exclude={"load_failure_policy"}),
     })[:12]
 
 

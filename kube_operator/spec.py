@@ -229,6 +229,10 @@ class KvTransferSpec(_Model):
     connector: Literal["NixlConnector", "None"] = "NixlConnector"
     side_channel_port: Annotated[int, Field(ge=1, le=65535)] = 5600
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    # vLLM's kv_load_failure_policy: a decode pod that cannot pull the prefill's KV (the prefill
+    # pod gone, a NIXL handshake timed out) computes the prompt itself ("recompute") instead of
+    # failing the request ("fail", vLLM's own default).
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
 
 class EndpointPickerTLS(_Model):

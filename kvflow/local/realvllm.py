@@ -149,8 +149,11 @@ def kv_events_config(
 
 
 def nixl_transfer_config() -> dict[str, object]:
-    """``--kv-transfer-config`` for P/D on CPU: one role for both sides, KV staged in host memory."""
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    """``--kv-transfer-config`` for P/D on CPU: one role for both sides, KV staged in host memory,
+    and a pull that fails computed again on the decode server instead of failing the request (as
+    the operator renders it: ``kvTransfer.loadFailurePolicy``)."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute"}
 
 
 def vllm_env(

@@ -2,18 +2,21 @@
 
 The gateway sends the prefill to one server and the decode (with the returned
 ``kv_transfer_params``) to the other; the decode server must pull the KV over NIXL, and greedy
-output must equal what a server computing the whole request by itself returns.
+output must equal what a server computing the whole request by itself returns. A decode whose
+prefill is gone is computed on the decode server (the ``kv_load_failure_policy`` kvflow sets).
 Runs only with ``KVFLOW_REAL_VLLM=1`` (two vLLM servers: ~3 GB RAM each, ~90 s to start).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
@@ -33,6 +36,36 @@ MESSAGES = [{"role": "user", "content": "Write a long paragraph about a lighthou
 def metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([\d.e+]+)$", text, re.M))
+
+
+async def pulled_since(decode_url: str, before: float, wait: float = 10.0) -> float:
+    """Prompt tokens the decode server has pulled since ``before`` (its counter is updated as the
+    engine's stats reach the API server, a moment after the answer: waited for a while)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        pulled = metric(decode_url, "vllm:external_prefix_cache_hits_total") - before
+        if pulled > 0 or loop.time() > deadline:
+            return pulled
+        await asyncio.sleep(0.5)
+
+
+async def completion_from_a_gone_prefill(prefill_url: str, decode_url: str, model: str) -> str:
+    """The decode server's greedy answer to ``PROMPT`` when the prefill it is told to pull from is
+    not there: real ``kv_transfer_params`` from the prefill server, naming an engine at a port
+    nobody listens on."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with session.post(f"{prefill_url}/v1/completions", json=body) as r:
+            params = (await r.json())["kv_transfer_params"]
+        # an engine the decode server has not met (so it must ask), at a port nobody listens on
+        params["remote_engine_id"] = f"gone-{params['remote_engine_id']}"
+        params["remote_port"] = free_port(params["remote_host"])
+        body = {**body, "max_tokens": 24, "kv_transfer_params": params}
+        async with session.post(f"{decode_url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            return str((await r.json())["choices"][0]["text"])
 
 
 async def test_pd_through_the_gateway_equals_aggregated_greedy_output(tmp_path: Path) -> None:
@@ -68,10 +101,12 @@ async def test_pd_through_the_gateway_equals_aggregated_greedy_output(tmp_path: 
                 model=model, prompt=PROMPT, max_tokens=24, temperature=0)).choices[0].text
             pd_chat = "".join([c.choices[0].delta.content or "" async for c in await gateway.chat.completions.create(
                 model=model, messages=MESSAGES, max_tokens=24, temperature=0, stream=True) if c.choices])
-            pulled = metric(decode_url, "vllm:external_prefix_cache_hits_total") - pulled_before
+            pulled = await pulled_since(decode_url, pulled_before)
 
             agg_text = (await alone.completions.create(
                 model=model, prompt=PROMPT, max_tokens=24, temperature=0)).choices[0].text
+            # a pull from a prefill that is gone is computed again (kvTransfer.loadFailurePolicy)
+            lost_text = await completion_from_a_gone_prefill(f"http://{servers['prefill']}", decode_url, model)
             agg_chat = (await alone.chat.completions.create(
                 model=model, messages=MESSAGES, max_tokens=24, temperature=0)).choices[0].message.content
         finally:
@@ -82,4 +117,6 @@ async def test_pd_through_the_gateway_equals_aggregated_greedy_output(tmp_path: 
     assert pd_text == agg_text and pd_text
     assert pd_chat == agg_chat and pd_chat
     assert pulled > 0  # the decode server took the prompt's KV from the prefill server over NIXL
-    assert f'kvflow_gateway_routed_total{{mode="pd",model="{model}"}} 2.0' in gw_metrics
+    assert lost_text == agg_text  # recomputed, not a failed request
+    routed = [line for line in gw_metrics.splitlines() if line.startswith("kvflow_gateway_routed_total")]
+    assert f'kvflow_gateway_routed_total{{mode="pd",model="{model}"}} 2.0' in routed, routed

@@ -132,7 +132,8 @@ def test_pd_engine_command_line_and_environment() -> None:
         args = engine["args"]
         assert engine["command"] == ["vllm", "serve"] and args[0] == "meta-llama/Llama-3.1-8B-Instruct"
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
-        assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        # a failed KV pull is computed again on the decode pod, not a failed request
+        assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
         events = json.loads(args[args.index("--kv-events-config") + 1])
         assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
                           "endpoint": "tcp://*:5557",  # vLLM binds; the router connects to pods
@@ -145,6 +146,11 @@ def test_pd_engine_command_line_and_environment() -> None:
         assert engine["lifecycle"]["preStop"] and pod["spec"]["terminationGracePeriodSeconds"] == 120
         assert engine["resources"]["limits"]["nvidia.com/gpu"] == 2
         assert pod["metadata"]["labels"][names.LABEL_ROLE] == role
+    strict_body = merged(load("pd-nixl.yaml"), {"spec": {"kvTransfer": {"loadFailurePolicy": "fail"}}})
+    assert crd_errors(strict_body) == []
+    strict = render(with_uid(strict_body), IMAGES)
+    args = by_kind(strict, "Deployment", "llama-pd-decode")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert json.loads(args[args.index("--kv-transfer-config") + 1])["kv_load_failure_policy"] == "fail"
 
 
 def test_inference_pool_points_at_the_router() -> None:
@@ -366,6 +372,9 @@ def test_engine_pods_carry_their_revision_and_llm_d_role() -> None:
     assert labels(changed, "decode")[names.LABEL_REVISION] != decode[names.LABEL_REVISION]
     scaled = merged(body, {"spec": {"decode": {"replicas": 5}}})  # not a revision change
     assert labels(scaled, "decode")[names.LABEL_REVISION] == decode[names.LABEL_REVISION]
+    # what a decode pod does when a KV pull fails is no revision change either
+    strict = merged(body, {"spec": {"kvTransfer": {"loadFailurePolicy": "fail"}}})
+    assert labels(strict, "decode")[names.LABEL_REVISION] == decode[names.LABEL_REVISION]
     aggregated = merged(body, {"spec": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}}})
     assert labels(aggregated, "decode")["llm-d.ai/role"] == "both"
     # The selector labels stay the operator's whatever the pod template says.
