@@ -75,6 +75,11 @@ class Heartbeats:
         """Prefill engine id → the remote request ids its heartbeats name (sorted)."""
         return {engine_id: sorted(leases.request_ids) for engine_id, leases in self._leases.items()}
 
+    @property
+    def in_flight(self) -> list[str]:
+        """Prefill engine ids whose last heartbeat is still being sent: the next round skips them."""
+        return sorted(self._beats)
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._beat_forever(), name="nixl-heartbeats")
 
