@@ -22,7 +22,7 @@ from kvflow import openai_api
 from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, from_exception
 from kvflow.gateway.accesslog import AccessLog
 from kvflow.gateway.auth import ApiKey, Authenticator
-from kvflow.gateway.body import client_kv_params, parse_json
+from kvflow.gateway.body import client_body, parse_json
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.flow import Rate, RateLimiter
 from kvflow.gateway.httpserver import HttpServer, Request, Responder
@@ -210,9 +210,9 @@ class Gateway:
         ex.key = key.name
         allowed = self._allowed_headers | key.allow_headers if key.allow_headers else self._allowed_headers
         strip_client_routing(request.headers, allowed)  # the router reads what is left
-        body = parse_json(request.body, self._max_depth)
+        body, stripped = client_body(request.body, self._max_depth, self.config.client_kv_transfer_params)
         validate(kind, body)
-        if client_kv_params(body, self.config.client_kv_transfer_params):
+        if stripped:
             request.body = encode(body)  # forwarded without them
         pool, lora = self._pool_of(body)
         ex.model = pool.model

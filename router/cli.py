@@ -66,6 +66,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="largest request body ext_proc buffers (larger: 413)")
     p.add_argument("--max-streams", type=int, default=ExtProcLimits().max_streams,
                    help="requests ext_proc handles at once (more: 503 with Retry-After)")
+    p.add_argument("--max-buffered-bytes", type=int, default=ExtProcLimits().max_buffered_bytes,
+                   help="request body bytes ext_proc buffers across all requests (a body that does not fit: 503)")
     p.add_argument("--allow-client-header", action="append", default=[], metavar="NAME",
                    help="x-kvflow-profile / x-kvflow-priority: let clients choose (off by default)")
     p.add_argument("--log-level", default="INFO")
@@ -172,7 +174,7 @@ async def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvflow router: TLS: {exc}") from None
     await router.start()  # also watches the pool's pods when the config names a Kubernetes pool
     limits = ExtProcLimits(args.max_body_bytes, args.max_streams,
-                           frozenset(check_allowable(args.allow_client_header)))
+                           frozenset(check_allowable(args.allow_client_header)), args.max_buffered_bytes)
     server = await serve(router, args.host, args.port, limits, credentials)
     health = await serve_health(args.host, args.grpc_health_port) if args.grpc_health_port else None
     runner = None

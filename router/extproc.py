@@ -15,12 +15,16 @@ Extension requires). Per request:
 
 No endpoint → an immediate 503; shedding → 429 (``Retry-After``); a malformed body → 400.
 
-Limits (``ExtProcLimits``): a request body over ``max_body_bytes`` is answered 413 without
-buffering more of it; over ``max_streams`` concurrent requests, newcomers get a 503 with
-``Retry-After`` (both as HTTP answers, so a fail-open listener does not fall through). Routing
-headers a client sent are removed before scheduling (``kvflow.routing_headers``; Envoy's
-bootstrap removes them too) and the routing answer removes the ones it does not set, so nothing
-a client sends chooses a pod. ``kv_transfer_params`` in a client body is refused with a 400.
+Limits (``ExtProcLimits``): a request body over ``max_body_bytes`` is answered 413 as soon as
+its ``content-length`` or its running size says so, without buffering more of it; the bodies of
+all streams together hold at most ``max_buffered_bytes`` (``kvflow.request_body.BodyBudget``: a
+body that does not fit is a 503 with ``Retry-After`` before it is buffered); over
+``max_streams`` concurrent requests, newcomers get a 503 with ``Retry-After`` (all as HTTP
+answers, so a fail-open listener does not fall through). Routing headers a client sent are
+removed before scheduling (``kvflow.routing_headers``; Envoy's bootstrap removes them too) and
+the routing answer removes the ones it does not set, so nothing a client sends chooses a pod.
+The body is parsed and checked by the gateway's own ``kvflow.request_body.client_body`` (depth
+limit, ``kv_transfer_params`` refused with a 400 however its key is spelled).
 
 Envoy tells the server its body modes in the first message (``protocol_config``). Besides full
 duplex, the buffered request mode works too: the headers are answered at once, and the routing
@@ -35,7 +39,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -44,7 +47,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvflow.errors import InvalidRequestError, KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
+from kvflow.errors import KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
+from kvflow.request_body import DEFAULT_BUFFERED_BODIES, DEFAULT_MAX_DEPTH, BodyBudget, client_body
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.router.request import scheduling_request as build_request
@@ -70,6 +74,10 @@ class ExtProcLimits:
     """Requests processed at once; more: 503 with Retry-After."""
     allow_client_headers: frozenset[str] = frozenset()
     """kvflow's profile/priority headers clients may send (none by default)."""
+    max_buffered_bytes: int = DEFAULT_BUFFERED_BODIES
+    """Request body bytes buffered across all streams at once; a body that does not fit: 503."""
+    max_json_depth: int = DEFAULT_MAX_DEPTH
+    """Nesting of a JSON body; deeper: 400 (the gateway's ``http.max_json_depth``)."""
 
     @property
     def grpc_options(self) -> list[tuple[str, int]]:
@@ -83,6 +91,8 @@ class _Exchange:
 
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
+    held: int = 0
+    """Bytes this request holds of the processor's ``BodyBudget``."""
     request: SchedulingRequest | None = None
     result: SchedulingResult | None = None
     flight: Flight | None = None
@@ -152,19 +162,12 @@ def error_response(error: KvflowError) -> pb.ProcessingResponse:
     )
 
 
-def parse_body(body: bytes) -> dict[str, Any]:
-    try:
-        parsed: Any = json.loads(body) if body else {}
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return parsed
-
-
-async def scheduling_request(router: Router, headers: dict[str, str], body: bytes) -> SchedulingRequest:
-    """The request as the gateway would build it (``kvflow.router.request``), for the same routing."""
-    parsed = parse_body(body)
+async def scheduling_request(router: Router, headers: dict[str, str], body: bytes,
+                             max_depth: int = DEFAULT_MAX_DEPTH) -> SchedulingRequest:
+    """The request as the gateway would build it (``kvflow.router.request``), for the same routing:
+    the body parsed and checked by the gateway's own ``client_body`` (a client's
+    ``kv_transfer_params``, however its key is spelled, is a 400)."""
+    parsed, _ = client_body(body, max_depth, "reject") if body else ({}, False)
     tokens = await tokens_off_loop(router.tokenize, parsed, len(body), router.offload_bytes)
     return build_request(
         parsed, headers, tokens, request_id=headers.get("x-request-id") or uuid.uuid4().hex,
@@ -172,24 +175,13 @@ async def scheduling_request(router: Router, headers: dict[str, str], body: byte
     )
 
 
-def refuse_client_kv_params(body: bytes | bytearray) -> None:
-    """P/D parameters are the router's and the sidecar's to set: a client's are a 400."""
-    if b"kv_transfer_params" not in body:
-        return
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
-        return  # scheduling_request says why the body is bad
-    if isinstance(parsed, dict) and parsed.get("kv_transfer_params") is not None:
-        raise InvalidRequestError("kv_transfer_params is set by the gateway for prefill/decode, not by clients",
-                                  param="kv_transfer_params")
-
-
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router, limits: ExtProcLimits | None = None) -> None:
         self.router = router
         self.limits = limits or ExtProcLimits()
         self.streams = 0
+        self.bodies = BodyBudget(self.limits.max_buffered_bytes)
+        """Body bytes buffered across all streams."""
 
     async def Process(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -208,6 +200,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     yield resp
         finally:
             self.streams -= 1
+            self._release(ex)
             self._finish(ex)
 
     async def _handle(self, ex: _Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -222,14 +215,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             strip_client_routing(ex.headers, self.limits.allow_client_headers)
             if msg.request_headers.end_of_stream:
                 return await self._route(ex, with_body=False)
+            declared = ex.headers.get("content-length", "")
+            if declared.isdigit() and not self._admit(ex, int(declared)):  # refused before a byte of it
+                return [self._refusal(ex, int(declared))]
             if not ex.duplex_request:  # buffered: Envoy waits for this before sending the body
                 return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
             return []
         if kind == "request_body":
-            if len(ex.body) + len(msg.request_body.body) > self.limits.max_body_bytes:
-                ex.refused = True
-                return [error_response(PayloadTooLargeError(
-                    f"request body is over the {self.limits.max_body_bytes}-byte limit"))]
+            size = len(ex.body) + len(msg.request_body.body)
+            if size > ex.held and not self._admit(ex, size):
+                return [self._refusal(ex, size)]
             ex.body += msg.request_body.body
             if msg.request_body.end_of_stream or msg.request_body.end_of_stream_without_message:
                 return await self._route(ex, with_body=True)
@@ -267,10 +262,46 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
+    def _admit(self, ex: _Exchange, size: int) -> bool:
+        """Hold ``size`` bytes of the budget for ``ex``'s body; False (and the request refused)
+        when it is over the body limit or does not fit beside the other streams' bodies."""
+        if size > self.limits.max_body_bytes:
+            ex.refused = True
+            return False
+        more = size - ex.held
+        if more > 0 and not self.bodies.fits(more):
+            ex.refused = True
+            self.bodies.refused += 1
+            return False
+        if more > 0:
+            self.bodies.take(more)
+            ex.held = size
+        return True
+
+    def _refusal(self, ex: _Exchange, size: int) -> pb.ProcessingResponse:
+        self._release(ex)  # whatever Envoy still sends of it is dropped unread
+        if size > self.limits.max_body_bytes:
+            return error_response(PayloadTooLargeError(
+                f"request body is over the {self.limits.max_body_bytes}-byte limit"))
+        return error_response(NoCapacityError(
+            "too many request bodies are being received at once; retry later", retry_after=1.0))
+
+    def _release(self, ex: _Exchange) -> None:
+        """Give ``ex``'s body back to the budget and drop it."""
+        if ex.held:
+            self.bodies.give(ex.held)
+            ex.held = 0
+        ex.body = bytearray()
+
     async def _route(self, ex: _Exchange, *, with_body: bool) -> list[pb.ProcessingResponse]:
         try:
-            refuse_client_kv_params(ex.body)
-            ex.request = await scheduling_request(self.router, ex.headers, bytes(ex.body))
+            return await self._decide(ex, with_body=with_body)
+        finally:
+            self._release(ex)  # the body is in the answer now (or refused): the budget is free again
+
+    async def _decide(self, ex: _Exchange, *, with_body: bool) -> list[pb.ProcessingResponse]:
+        try:
+            ex.request = await scheduling_request(self.router, ex.headers, bytes(ex.body), self.limits.max_json_depth)
             await self.router.prepare(ex.request)
             ex.result = self.router.schedule(ex.request)
         except Exception as exc:  # every failure becomes an HTTP answer, never a broken stream

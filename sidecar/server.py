@@ -25,7 +25,7 @@ import os
 from kvflow.errors import InvalidRequestError, KvflowError, UpstreamError, from_exception
 from kvflow.gateway.allowlist import PrefillerAllowList
 from kvflow.gateway.app import RouteError
-from kvflow.gateway.body import client_kv_params, parse_json, scrub_answer
+from kvflow.gateway.body import client_body, scrub_answer
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.httpserver import Request, Responder
 from kvflow.gateway.pd import decode_body, encode, prefill
@@ -85,8 +85,7 @@ class Sidecar:
 
     async def _disaggregated(self, request: Request, out: Responder, ex: Exchange, header: str) -> None:
         prefiller = self._prefiller(header)
-        body = parse_json(request.body, self.config.http.max_json_depth)
-        client_kv_params(body, self.config.client_kv_transfer_params)
+        body, _ = client_body(request.body, self.config.http.max_json_depth, self.config.client_kv_transfer_params)
         headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
         try:
             params = await prefill(self.upstream, prefiller, request.path, body, headers)
@@ -105,9 +104,9 @@ class Sidecar:
     async def _pass_through(self, request: Request, out: Responder, ex: Exchange) -> None:
         self.counts["passthrough"] += 1
         body = request.body
-        if request.path in _GENERATE and b"kv_transfer_params" in body:  # only then is the body parsed
-            parsed = parse_json(body, self.config.http.max_json_depth)
-            if client_kv_params(parsed, self.config.client_kv_transfer_params):
+        if request.path in _GENERATE and body:  # parsed, not searched: JSON may spell the key with escapes
+            parsed, stripped = client_body(body, self.config.http.max_json_depth, self.config.client_kv_transfer_params)
+            if stripped:
                 body = encode(parsed)
         headers = [(k, v) for k, v in request.headers.items() if k not in _HOP_BY_HOP]
         path = request.path + (f"?{request.query}" if request.query else "")
