@@ -28,6 +28,7 @@ from kvflow.sim.engine import Engine
 from kvflow.sim.events import ZmqPublisher
 from kvflow.sim.faults import Faults
 from kvflow.sim.kv_transfer import DEFAULT_PIN_TIMEOUT_S, KVTransfer, TransferConfig, make_transfer
+from kvflow.sim.lora import runtime_updating
 from kvflow.sim.metrics import SimMetrics, cache_config_info
 from kvflow.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile, get_profile
 from kvflow.sim.request import HashConfig, LoraAdapter
@@ -134,7 +135,8 @@ def build_state(args: argparse.Namespace) -> SimState:
         engine=engine, tokenizer=tokenizer, metrics=metrics, faults=faults, served_names=served,
         model_root=args.model, max_model_len=args.max_model_len,
         hash_config=HashConfig(args.block_size, seed, args.prefix_caching_hash_algo),
-        seed=args.seed, sampler=sampler, loras=loras, role=args.role, fingerprint=system_fingerprint(served[0]),
+        seed=args.seed, sampler=sampler, loras=loras, lora_enabled=args.enable_lora, runtime_lora=runtime_updating(),
+        role=args.role, fingerprint=system_fingerprint(served[0]),
         load_tracking=args.enable_server_load_tracking,
         tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
     )

@@ -10,7 +10,9 @@ vLLM's routes: ``POST /v1/completions``, ``/v1/chat/completions``, ``/tokenize``
 the development route ``POST /reset_prefix_cache``. Admin routes (simulator only, under
 ``/_sim``): ``GET|POST /_sim/faults`` and ``GET /_sim/state`` only with ``admin_routes``
 (``kvflow sim --enable-admin-routes``: tests inject faults; nobody else may), and
-``POST /_sim/kv/pull`` (the modelled P/D transfer's handshake between pods).
+``POST /_sim/kv/pull`` (the modelled P/D transfer's handshake between pods). With
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` set, as in vLLM, ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` too (``sim.lora``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvflow.sim import shapes, validation
 from kvflow.sim.choices import Choice, Generation, Options
 from kvflow.sim.engine import Engine
 from kvflow.sim.faults import Faults
+from kvflow.sim.lora import Adapters
 from kvflow.sim.metrics import CONTENT_TYPE, SimMetrics
 from kvflow.sim.request import BlockHasher, HashConfig, LoraAdapter, SimRequest
 from kvflow.sim.sampler import Sampler
@@ -56,6 +59,12 @@ class SimState:
     seed: int
     sampler: Sampler | None = None
     loras: dict[str, LoraAdapter] = field(default_factory=dict)
+    """Adapters loaded now, by served name: ``--lora-modules``, then those loaded at run time."""
+    lora_enabled: bool = False
+    """``--enable-lora`` (or ``--lora-modules``): adapters can be loaded at run time."""
+    runtime_lora: bool = False
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: the load/unload routes exist."""
+    adapters: Adapters = field(init=False)
     role: str = "both"
     fingerprint: str = ""
     load_tracking: bool = False
@@ -70,6 +79,7 @@ class SimState:
 
     def __post_init__(self) -> None:
         self.rng.seed(self.seed)
+        self.adapters = Adapters(self.loras, enabled=self.lora_enabled or bool(self.loras))
         if self.sampler is None:
             self.sampler = Sampler(self.tokenizer)
 
@@ -346,6 +356,16 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return json_response({"success": ok})
 
 
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    body = openai_api.decode_json(await request.read())
+    return web.Response(text=request.app[STATE].adapters.load(body))
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    body = openai_api.decode_json(await request.read())
+    return web.Response(text=request.app[STATE].adapters.unload(body))
+
+
 # -- simulator-only admin routes -------------------------------------------------------------
 async def get_faults(request: web.Request) -> web.Response:
     return json_response(request.app[STATE].faults.as_dict())
@@ -399,6 +419,9 @@ def build_app(state: SimState, *, admin_routes: bool = False) -> web.Application
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    if state.runtime_lora:
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     if admin_routes:
         app.router.add_get("/_sim/faults", get_faults)
         app.router.add_post("/_sim/faults", set_faults)
