@@ -17,6 +17,13 @@ sglang-router ``cache_aware`` and to the oracle, replayed and live, at the same 
     python bench/bench_routing.py --workloads a --routers kvflow kvflow:prefix-approx --rates 8 12 16
     python bench/bench_routing.py --workloads a b c --routers kvflow sglang:cache_aware sglang:round_robin \\
         --factors 1.0 --seeds 0 1 2                     # means over three traces, ~15 min
+    python bench/bench_routing.py --trace ../shared/traces/mooncake-synthetic_trace.jsonl --trace-scale 0.0625 \\
+        --trace-speedup 4 --duration 20                 # a Mooncake trace, 1/16 of its tokens, 4x its pace
+
+``--trace FILE`` replays a trace in Mooncake's JSONL format (``kvbench.traces``) instead of the
+synthetic workloads: open loop by timestamp, token counts scaled by ``--trace-scale``, a window
+of trace time picked with ``--trace-window``, time compressed by ``--trace-speedup`` (or, without
+it, to the rates the saturation search picks), seed ``k`` the ``k``-th slice of ``--duration``.
 
 Peers come from the ``bench`` extra (``pip install -e '.[bench]'``); a missing one is installed
 on first use, or skipped with the reason.
@@ -34,7 +41,8 @@ from pathlib import Path
 
 from kvbench import report, routers
 from kvbench.runner import Options, Outcome, bench_workload, saturation_row_rate
-from kvbench.workloads import WORKLOADS, describe
+from kvbench import traces
+from kvbench.workloads import TRACE_SHAPE, WORKLOADS, Workload, describe
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -56,6 +64,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="workload seeds (traces); with several, a last table gives the means over seeds "
                         "(default: %(default)s)")
+    t = p.add_argument_group("trace replay")
+    t.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="replay a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids) "
+                        "instead of --workloads")
+    t.add_argument("--trace-scale", type=float, default=0.0625,
+                   help="multiply the trace's token counts (its 512-token blocks too; default %(default)s)")
+    t.add_argument("--trace-output-scale", type=float, default=None, help="multiply output lengths (default: --trace-scale)")
+    t.add_argument("--trace-window", nargs=2, type=float, default=None, metavar=("START", "END"),
+                   help="replay only requests arriving in [START, END) seconds of trace time")
+    t.add_argument("--trace-speedup", type=float, default=None,
+                   help="compress the trace's time by this factor (one rate; default: the rate search's rates)")
+    t.add_argument("--trace-pods", type=int, default=4, help="pods for the trace (default %(default)s)")
+    t.add_argument("--trace-num-blocks", type=int, default=2400, help="KV blocks per pod for the trace (default %(default)s)")
     p.add_argument("--out", type=Path, default=OUT, help="where the PNGs and routing.json go")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--nice", type=int, default=-5 if os.geteuid() == 0 else 0,
@@ -80,18 +101,34 @@ def print_outcome(outcome: Outcome) -> None:
         print(f"skipped {skipped}")
 
 
+def trace_workload(args: argparse.Namespace) -> tuple[Workload, tuple[float, ...]]:
+    """The ``--trace`` workload, and its one rate when ``--trace-speedup`` fixes it."""
+    start, end = args.trace_window if args.trace_window else (0.0, None)
+    window = traces.TraceWindow(args.trace.name, traces.load(args.trace), scale=args.trace_scale,
+                                output_scale=args.trace_output_scale, start_s=start, end_s=end)
+    if not window.window():
+        raise ValueError(f"{window.describe()}: no requests in the window")
+    rates = (round(window.natural_rate() * args.trace_speedup, 3),) if args.trace_speedup else tuple(args.rates)
+    return Workload("trace", TRACE_SHAPE, decode_pods=args.trace_pods, num_blocks=args.trace_num_blocks,
+                    params=(("window", window),)), rates
+
+
 async def main_async(args: argparse.Namespace) -> list[Outcome]:
     for name in args.routers:
         routers.RouterSpec.parse(name)  # a typo fails before any pod starts
+    workloads = [(WORKLOADS[name], tuple(args.rates)) for name in args.workloads]
+    if args.trace is not None:
+        workloads = [trace_workload(args)]
     outcomes = []
-    for name in args.workloads:
+    for workload, rates in workloads:
+        name = workload.name
         for seed in args.seeds:
-            opts = Options(duration=args.duration, factors=tuple(args.factors), rates=tuple(args.rates), seed=seed,
+            opts = Options(duration=args.duration, factors=tuple(args.factors), rates=rates, seed=seed,
                            log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet)
-            outcome = await bench_workload(WORKLOADS[name], args.routers, opts)
+            outcome = await bench_workload(workload, args.routers, opts)
             outcomes.append(outcome)
             print_outcome(outcome)
-            report.plot(outcome.rows, f"workload {name}: {describe(WORKLOADS[name])}" + (f", seed {seed}" if seed else ""),
+            report.plot(outcome.rows, f"workload {name}: {describe(workload)}" + (f", seed {seed}" if seed else ""),
                         args.out / plot_name(name, seed, args.seeds))
             sys.stdout.flush()
     if len(args.seeds) > 1:
@@ -113,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvflow bench routing: could not set niceness {args.nice} ({exc}); running as is", file=sys.stderr)
     try:
         outcomes = asyncio.run(main_async(args))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # a bad trace file is one line, not a traceback
         print(f"kvflow bench routing: {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)

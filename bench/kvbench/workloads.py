@@ -145,6 +145,8 @@ def _sampler():  # type: ignore[no-untyped-def]
 
 
 Shape = Callable[..., Trace]
+TRACE_SHAPE = "trace"
+"""A workload whose ``params`` hold ``("window", kvbench.traces.TraceWindow)``: a file's trace."""
 SHAPES: dict[str, Shape] = {"shared-prefix": shared_prefix, "zipf-tenants": zipf_tenants, "multi-turn": multi_turn}
 
 
@@ -166,6 +168,10 @@ class Workload:
         return self.prefill_pods > 0
 
     def trace(self, rate: float, duration: float, seed: int = 0) -> Trace:
+        if self.shape == TRACE_SHAPE:  # a recorded trace (kvbench.traces), replayed at ``rate``
+            from kvbench.traces import replay
+
+            return replay(dict(self.params)["window"], rate, duration, seed)  # type: ignore[arg-type]
         return SHAPES[self.shape](rate, duration, seed, **dict(self.params))
 
 
@@ -182,6 +188,8 @@ SMOKE = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
                  params=(("groups", 4), ("per_group", 3), ("system_len", 600), ("question_len", 100), ("output_len", 8)))
 """Two pods and a few short shared prefixes: a workload the tests replay, or run live, in seconds."""
 def describe(workload: Workload) -> str:
+    if workload.shape == TRACE_SHAPE:
+        return dict(workload.params)["window"].describe()  # type: ignore[attr-defined,no-any-return]
     return DESCRIPTIONS.get(workload.name, f"{workload.shape} {dict(workload.params)}")
 
 
