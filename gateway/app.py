@@ -19,12 +19,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvflow import openai_api
-from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, from_exception
+from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, NoCapacityError, from_exception
 from kvflow.gateway.accesslog import AccessLog
 from kvflow.gateway.auth import ApiKey, Authenticator
 from kvflow.gateway.body import client_body, parse_json
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.flow import Rate, RateLimiter
+from kvflow.gateway.hold import Hold
 from kvflow.gateway.httpserver import HttpServer, Request, Responder
 from kvflow.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvflow.gateway.pd import decode_body, encode, prefill
@@ -194,6 +195,7 @@ class Gateway:
         for pool in self.pools.values():  # gauges are read when scraped: nothing on the hot path
             pool.metrics.inflight.set(pool.gate.queue.inflight)
             pool.metrics.queued.set(pool.gate.queue.waiting)
+            pool.metrics.held.set(pool.hold.held if pool.hold is not None else 0)
             refresh = getattr(pool.router, "refresh_gauges", None)  # the router's routable pods, in flight
             if refresh is not None:
                 refresh()
@@ -217,12 +219,22 @@ class Gateway:
         pool, lora = self._pool_of(body)
         ex.model = pool.model
         self.limiter.check(key.name)
+        if pool.hold is not None and pool.hold.empty():  # scaled to zero, or the first pod starting
+            await self._held(ex, pool.hold)
         client = key.name if self.auth.enabled else request.peer  # fairness between clients
         await pool.gate.acquire(self._priority(request, key, allowed), client)
         try:
             await self._serve(request, out, ex, pool, body, lora)
         finally:
             pool.gate.release(client)
+
+    @staticmethod
+    async def _held(ex: Exchange, hold: Hold) -> None:
+        try:
+            await hold.wait()
+        except NoCapacityError:
+            ex.error = "hold_timeout"
+            raise
 
     def _pool_of(self, body: dict[str, Any]) -> tuple[Pool, str | None]:
         """The pool serving the body's ``model`` and the LoRA adapter it names (404 for none)."""
@@ -306,5 +318,7 @@ def build_gateway(config: GatewayConfig, auth: Authenticator,
     """The gateway for ``config``; ``routers`` replaces the kvflow.router.Router of each model (tests)."""
     metrics = GatewayMetrics()
     chosen = dict(routers) if routers is not None else {p.model: build_router(p) for p in config.pools}
-    pools = {model: build_pool(model, router, config.flow, metrics) for model, router in chosen.items()}
+    holds = {p.model: p.hold_when_empty_seconds for p in config.pools}
+    pools = {model: build_pool(model, router, config.flow, metrics, holds.get(model, 0.0))
+             for model, router in chosen.items()}
     return Gateway(config, pools, auth, metrics, Upstream(config.timeouts)), chosen

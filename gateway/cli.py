@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--router-config", help="the router's config file (plugins and profiles)")
     p.add_argument("--tokenizer", help="a local Hugging Face tokenizer folder (default: built-in)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME", help="a LoRA adapter the pods serve")
+    p.add_argument("--hold-when-empty", type=float, metavar="SECONDS",
+                   help="every pool: while no pod can serve it, hold requests this long for one, then 503 "
+                        "(default 300; 0: the 503 at once)")
     p.add_argument("--api-keys-file", help="API keys, one a line or YAML; enables authentication")
     p.add_argument("--api-keys-secret", metavar="NAMESPACE/NAME", help="a Kubernetes Secret holding API keys")
     p.add_argument("--max-inflight", type=int, help="requests per model upstream at once (default unlimited)")
@@ -84,6 +87,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                 if getattr(args, flag):
                     pool[key] = getattr(args, flag)
             data["pools"] = [p for p in data.get("pools", []) if p.get("model") != pool["model"]] + [pool]
+    if args.hold_when_empty is not None:  # every pool's, from the file or the flags
+        data["pools"] = [{**pool, "hold_when_empty_seconds": args.hold_when_empty} for pool in data.get("pools", [])]
     return GatewayConfig.model_validate(data)
 
 

@@ -46,6 +46,9 @@ class PoolConfig(_Strict):
     this pool, with the adapter passed to the router (LoRA affinity)."""
     max_model_len: int | None = Field(None, gt=0)
     """The pods' context length (``/v1/models``): longer prompts are refused with a 400 here."""
+    hold_when_empty_seconds: float = Field(300.0, ge=0)
+    """While no pod can decode for the pool (scaled to zero, or its first pod starting), requests
+    wait this long for one to become ready, then get a 503; 0: the 503 at once (gateway/hold.py)."""
 
     @field_validator("endpoints", "prefill_endpoints")
     @classmethod

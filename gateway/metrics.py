@@ -26,11 +26,12 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32,
 class ModelMetrics:
     """Everything recorded per model: its series in each per-model family."""
 
-    __slots__ = ("e2e", "inflight", "itl", "queued", "ttft")
+    __slots__ = ("e2e", "held", "inflight", "itl", "queued", "ttft")
 
     def __init__(self, ttft: HistogramChild, itl: HistogramChild, e2e: HistogramChild, inflight: GaugeChild,
-                 queued: GaugeChild) -> None:
+                 queued: GaugeChild, held: GaugeChild) -> None:
         self.ttft, self.itl, self.e2e, self.inflight, self.queued = ttft, itl, e2e, inflight, queued
+        self.held = held
 
 
 class GatewayMetrics:
@@ -55,6 +56,8 @@ class GatewayMetrics:
                                  registry=r)
         self._inflight = Gauge("kvflow_gateway_inflight_requests", "Requests being served.", by_model, registry=r)
         self._queued = Gauge("kvflow_gateway_queued_requests", "Requests waiting for a slot.", by_model, registry=r)
+        self._held = Gauge("kvflow_gateway_held_requests", "Requests waiting for the model's first ready pod "
+                           "(scaled to zero, or starting).", by_model, registry=r)
         self.http_refusals: dict[str, int] = {}
         """The HTTP server's own counts (connections closed and requests refused by its limits, by
         reason), read into ``kvflow_gateway_http_refusals`` when rendered."""
@@ -65,7 +68,7 @@ class GatewayMetrics:
         if found is None:
             found = self._models[name] = ModelMetrics(self._ttft.labels(name), self._itl.labels(name),
                                                       self._e2e.labels(name), self._inflight.labels(name),
-                                                      self._queued.labels(name))
+                                                      self._queued.labels(name), self._held.labels(name))
         return found
 
     @staticmethod

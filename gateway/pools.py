@@ -10,7 +10,9 @@ from typing import Any, Protocol
 
 from kvflow.gateway.config import FlowConfig, PoolConfig
 from kvflow.gateway.flow import Gate
+from kvflow.gateway.hold import Hold
 from kvflow.gateway.metrics import GatewayMetrics, ModelMetrics
+from kvflow.router.datastore import Datastore
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.endpoints import Endpoint
@@ -51,6 +53,9 @@ class Pool:
     router: PoolRouter
     gate: Gate
     metrics: ModelMetrics
+    hold: Hold | None = None
+    """Where requests wait while no pod can serve the pool (None: a router with no datastore to
+    watch, as in tests: the router's 503 at once)."""
 
 
 def build_router(config: PoolConfig) -> PoolRouter:
@@ -70,6 +75,18 @@ def build_router(config: PoolConfig) -> PoolRouter:
     return router
 
 
-def build_pool(model: str, router: PoolRouter, flow: FlowConfig, metrics: GatewayMetrics) -> Pool:
+def build_pool(model: str, router: PoolRouter, flow: FlowConfig, metrics: GatewayMetrics,
+               hold_seconds: float = 0.0) -> Pool:
     gate = Gate(flow.max_inflight, flow.max_queue, flow.queue_timeout, flow.max_inflight_per_client)
-    return Pool(model, router, gate, metrics.model(model))
+    return Pool(model, router, gate, metrics.model(model), _hold(model, router, flow, hold_seconds))
+
+
+def _hold(model: str, router: PoolRouter, flow: FlowConfig, seconds: float) -> Hold | None:
+    """Held requests wake when the router's datastore gains a pod that can decode."""
+    datastore = getattr(router, "datastore", None)  # kvflow.router.Router's; a scripted router has none
+    if not isinstance(datastore, Datastore) or seconds <= 0:
+        return None
+    decoders = datastore.by_role  # cached by the datastore until its set or a pod's view changes
+    hold = Hold(model, seconds, flow.max_queue, lambda: bool(decoders()[0]))
+    datastore.subscribe(hold.endpoint_changed)
+    return hold
