@@ -199,6 +199,8 @@ class RouterConfig(_Strict):
     seed: int = 0
     lora_paths: dict[str, str] = Field(default_factory=dict, alias="loraPaths")
     """Adapter name → the path pods load it from: vLLM hashes both into LoRA blocks."""
+    adapters_interval: float = Field(default=5.0, alias="adaptersIntervalSeconds", gt=0)
+    """Seconds between asks of a LoRA pod's ``/v1/models`` for the adapters it has loaded."""
     default_profile: str = Field(default="default", alias="defaultProfile")
     kv_events: KvEventsSpec = Field(default_factory=KvEventsSpec, alias="kvEvents")
     pd: PdSpec = Field(default_factory=PdSpec)

@@ -28,6 +28,8 @@ class _State:
     counter: LoadCounter = field(default_factory=LoadCounter)
     view: EndpointView | None = None
     """The pod's view, built when first read after a change."""
+    adapters: frozenset[str] | None = None
+    """LoRA adapters loaded on the pod (its ``/v1/models``); None until learned."""
 
     def changed(self) -> None:
         self.view = None
@@ -35,7 +37,8 @@ class _State:
     def current(self) -> EndpointView:
         if self.view is None:
             self.view = EndpointView(
-                self.endpoint, self.metrics, self.scrape_ok and not self.marked_failed, counter=self.counter
+                self.endpoint, self.metrics, self.scrape_ok and not self.marked_failed, counter=self.counter,
+                adapters=self.adapters,
             )
         return self.view
 
@@ -57,6 +60,7 @@ class Datastore:
         self._snapshot: tuple[EndpointView, ...] | None = None
         self._by_role: tuple[list[EndpointView], list[EndpointView]] | None = None
         self._listeners: list[Listener] = []
+        self._adapters: frozenset[str] | None = None
         self.set_endpoints(endpoints)
 
     # -- the set ---------------------------------------------------------------------------
@@ -92,6 +96,7 @@ class Datastore:
     def _invalidate(self) -> None:
         self._snapshot = None
         self._by_role = None
+        self._adapters = None
 
     def _notify(self, endpoint: Endpoint, added: bool) -> None:
         for listener in self._listeners:
@@ -112,6 +117,20 @@ class Datastore:
         state.marked_failed = False
         state.changed()
         self._invalidate()
+
+    def record_adapters(self, endpoint_id: EndpointId, adapters: frozenset[str]) -> None:
+        """The LoRA adapters the pod lists as loaded now (``/v1/models``)."""
+        state = self._states.get(endpoint_id)
+        if state is not None and state.adapters != adapters:
+            state.adapters = adapters
+            state.changed()
+            self._invalidate()
+
+    def adapters(self) -> frozenset[str]:
+        """Every adapter some pod has loaded: requests naming one are LoRA requests."""
+        if self._adapters is None:
+            self._adapters = frozenset().union(*(s.adapters for s in self._states.values() if s.adapters))
+        return self._adapters
 
     def record_failure(self, endpoint_id: EndpointId) -> None:
         state = self._states.get(endpoint_id)

@@ -62,6 +62,9 @@ class EndpointView:
     metrics: EngineMetrics
     healthy: bool
     counter: LoadCounter
+    adapters: frozenset[str] | None
+    """The LoRA adapters the pod has loaded, as its ``/v1/models`` last listed them; None
+    while unknown (LoRA off, or not fetched yet)."""
     id: EndpointId = field(init=False)
     """``endpoint.id``, computed once: scorers read it for every endpoint of every decision."""
 
@@ -74,6 +77,7 @@ class EndpointView:
         dispatched_since_scrape: int = 0,
         *,
         counter: LoadCounter | None = None,
+        adapters: frozenset[str] | None = None,
     ) -> None:
         setattr_ = object.__setattr__
         setattr_(self, "endpoint", endpoint)
@@ -85,6 +89,7 @@ class EndpointView:
                                   dispatched=dispatched_since_scrape)
             counter.observe(metrics if metrics is not None else _NO_METRICS)
         setattr_(self, "counter", counter)
+        setattr_(self, "adapters", adapters)
         setattr_(self, "id", endpoint.id)
 
     @property

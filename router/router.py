@@ -152,6 +152,7 @@ class Router:
             interval=self.config.scrape_interval,
             idle_interval=self.config.scrape_idle_interval,
             timeout=self.config.stale_after,
+            adapters_interval=self.config.adapters_interval,
             on_metrics=self._on_metrics,
             seed=self.config.seed,
         )
@@ -191,8 +192,10 @@ class Router:
 
     @property
     def names(self) -> PoolNames:
-        """The model and LoRA adapters this pool serves, as ``scheduling_request`` resolves them."""
-        return PoolNames(self.config.model or "", self.config.loras)
+        """The model and LoRA adapters this pool serves, as ``scheduling_request`` resolves them:
+        the configured ones and those the pods list as loaded."""
+        learned = self.datastore.adapters()
+        return PoolNames(self.config.model or "", self.config.loras | learned if learned else self.config.loras)
 
     # -- the data path ---------------------------------------------------------------------
 

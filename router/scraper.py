@@ -13,6 +13,11 @@ KV-cache use, its real queue), and for health. That makes them rare and cheap:
 * **judged by their own outcome**: a pod drops out when a scrape fails or does not answer within
   ``timeout``, never because the router's own loop was too busy to scrape it.
 
+A pod with LoRA on (its ``vllm:lora_requests_info`` is there) is also asked its ``/v1/models``,
+the one place vLLM lists the adapters it has loaded: every ``adapters_interval`` seconds, and at
+once when the metric shows it running an adapter the router did not know it had. The LoRA filter
+and scorer read the answer (``EndpointView.adapters``).
+
 One task per endpoint, so a slow pod delays only itself. Fetching and parsing are
 ``kvflow.protocol.vllm_metrics``'s (the operator scrapes with the same code); the policy above is
 the router's.
@@ -31,6 +36,7 @@ import aiohttp
 
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.protocol.vllm_metrics import EngineMetrics, fetch_metrics
+from kvflow.protocol.vllm_models import fetch_models
 from kvflow.router.datastore import Datastore
 from kvflow.throttle import ThrottledLog
 
@@ -51,6 +57,7 @@ class Scraper:
         idle_interval: float = 2.0,
         retry_interval: float = 0.25,
         timeout: float = 1.0,
+        adapters_interval: float = 5.0,
         on_metrics: OnMetrics | None = None,
         seed: int | None = None,
     ) -> None:
@@ -59,10 +66,13 @@ class Scraper:
         self.idle_interval = max(interval, idle_interval)
         self.retry_interval = min(interval, retry_interval)
         self.timeout = timeout
+        self.adapters_interval = adapters_interval
         self.on_metrics = on_metrics
         self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[EndpointId, asyncio.Task[None]] = {}
+        self._adapters_at: dict[EndpointId, float] = {}
+        """When each pod's ``/v1/models`` last answered."""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
@@ -76,6 +86,7 @@ class Scraper:
 
     async def remove(self, endpoint_id: EndpointId) -> None:
         task = self._tasks.pop(endpoint_id, None)
+        self._adapters_at.pop(endpoint_id, None)
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -97,6 +108,27 @@ class Scraper:
                               metrics.rejected, endpoint.id)
         return metrics
 
+    async def scrape_adapters(self, endpoint: Endpoint, now: float) -> None:
+        """Learn the adapters the pod has loaded from its ``/v1/models`` (kept as they were if it fails)."""
+        assert self._session is not None
+        served = await fetch_models(self._session, f"{endpoint.url}/v1/models")
+        if served is not None:
+            self._adapters_at[endpoint.id] = now
+            self.datastore.record_adapters(endpoint.id, frozenset(served.adapters))
+
+    def adapters_due(self, endpoint: Endpoint, metrics: EngineMetrics, now: float) -> bool:
+        """Ask the pod its adapters: LoRA is on there, and the last answer is old or misses one it runs."""
+        if not metrics.max_loras:
+            return False
+        last = self._adapters_at.get(endpoint.id)
+        if last is None or now - last >= self.adapters_interval:
+            return True
+        view = self.datastore.view(endpoint.id)
+        known = view.adapters if view is not None else None
+        # (not sooner than a busy pod's scrapes: an adapter unloaded under running requests stays in the metric)
+        return known is not None and now - last >= self.interval and not (
+            metrics.running_loras | metrics.waiting_loras) <= known
+
     def next_wait(self, endpoint: Endpoint, ok: bool) -> float:
         """Seconds until the pod's next scrape: sooner when it failed or is busy."""
         if not ok:
@@ -114,7 +146,10 @@ class Scraper:
             if metrics is None:
                 self.datastore.record_failure(endpoint.id)
             else:
-                self.datastore.record_scrape(endpoint.id, metrics, time.monotonic())
+                now = time.monotonic()
+                self.datastore.record_scrape(endpoint.id, metrics, now)
                 if self.on_metrics is not None:
                     self.on_metrics(endpoint, metrics)
+                if self.adapters_due(endpoint, metrics, now):
+                    await self.scrape_adapters(endpoint, now)
             await asyncio.sleep(self.next_wait(endpoint, metrics is not None))

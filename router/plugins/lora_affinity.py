@@ -1,7 +1,9 @@
 """LoRA affinity: a pod already running the adapter is best, one with a free adapter slot next.
 
 Scores as the Inference Extension's lora-affinity scorer: active (running or waiting) 1.0,
-room to load it 0.8, otherwise 0. For requests without an adapter it abstains (every pod alike).
+room to load it 0.8, otherwise 0. A pod whose ``/v1/models`` does not list the adapter
+(``EndpointView.adapters``) has nothing to put in a slot: 0. For requests without an adapter
+it abstains (every pod alike).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ def lora_score(ep: EndpointView, lora: str) -> float:
     m = ep.metrics
     if lora in m.running_loras or lora in m.waiting_loras:
         return ACTIVE
+    if ep.adapters is not None and lora not in ep.adapters and lora not in ep.endpoint.models:
+        return FULL  # not loaded there: vLLM would not serve it
     if m.max_loras == 0 or len(m.running_loras | m.waiting_loras) < m.max_loras:
         return ROOM
     return FULL

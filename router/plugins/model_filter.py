@@ -1,8 +1,14 @@
 """Keep endpoints that serve the requested model (or LoRA adapter).
 
 An endpoint's models are what its config says, else what its metrics report; an endpoint that
-declares none serves anything (a pool serves one base model). A LoRA request prefers pods that
-list the adapter; when no pod lists it, any pod may load it.
+declares none serves anything (a pool serves one base model).
+
+A LoRA request goes only to pods that have the adapter: those whose config lists it, or whose
+``/v1/models`` lists it as loaded (``EndpointView.adapters``, learned by the scraper). vLLM does
+not load an adapter a request names (it answers 404 unless a LoRA resolver plugin is installed),
+so a pod known to lack it is no candidate. Pods not known either way (LoRA metrics absent, or
+``/v1/models`` not asked yet) are the fallback when no pod is known to have it, as before the
+router learned adapters: a pool whose pods say nothing still routes.
 """
 
 from __future__ import annotations
@@ -17,6 +23,13 @@ from kvflow.router.plugins.registry import NoParams, PluginContext, register
 
 def served(ep: EndpointView) -> frozenset[str]:
     return ep.endpoint.models or ep.metrics.models
+
+
+def has_adapter(ep: EndpointView, lora: str) -> bool | None:
+    """Whether the pod has ``lora`` loaded: True, False, or None when the router cannot tell."""
+    if lora in served(ep):
+        return True
+    return None if ep.adapters is None else lora in ep.adapters
 
 
 @register("model-filter", "filter")
@@ -50,6 +63,7 @@ class ModelFilter:
             ]
             endpoints = endpoints if len(serving) == len(endpoints) else serving
         if lora:
-            listing = [ep for ep in endpoints if lora in served(ep)]
-            return listing or endpoints
+            known = [has_adapter(ep, lora) for ep in endpoints]
+            having = [ep for ep, has in zip(endpoints, known, strict=True) if has]
+            return having or [ep for ep, has in zip(endpoints, known, strict=True) if has is None]
         return endpoints
