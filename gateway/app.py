@@ -34,17 +34,19 @@ from kvflow.gateway.proxy import (
     AttemptFailed, Exchange, Upstream, send_error, send_json, stream_response, try_targets, whole_response,
 )
 from kvflow.gateway.validation import validate
+from kvflow.router import status_api
+from kvflow.router.dashboard import HEADERS as PAGE_HEADERS, PAGE_PATH, page_file
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingResult
 from kvflow.router.request import PoolNames, scheduling_request, tokens_off_loop
 from kvflow.endpoints import Endpoint
-from kvflow.routing_headers import PRIORITY, strip_client_routing
+from kvflow.routing_headers import EXPLAIN, PRIORITY, strip_client_routing
 
 log = logging.getLogger("kvflow.gateway")
 access_log = logging.getLogger("kvflow.gateway.access")
 
 Route = Callable[[Request, Responder, Exchange], Awaitable[None]]
-_QUIET_PATHS = frozenset({"/health", "/metrics"})
+_QUIET_PATHS = frozenset({"/health", "/metrics", status_api.STATUS_PATH})
 
 
 class RouteError(KvflowError):
@@ -81,9 +83,13 @@ class Gateway:
             "/tokenize": ("POST", self.tokenize),
             "/health": ("GET", self.health),
             "/metrics": ("GET", self.prometheus),
+            status_api.STATUS_PATH: ("GET", self.status),
         }
-        self.mounts: dict[str, Route] = {}
+        self.mounts: dict[str, Route] = {PAGE_PATH: self.dashboard}
         """Path prefixes served by a sub-application that checks methods itself (the Batch API)."""
+        self.pod_stats = status_api.PodStats()
+        self.batch_service: Any = None
+        """The Batch API's service, when enabled (its active batches are in the status API)."""
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self._attempts = config.max_attempts
@@ -148,6 +154,8 @@ class Gateway:
                 m.ttft.observe(ex.first_token)
                 for gap in ex.chunk_gaps:
                     m.itl.observe(gap)
+        if ex.endpoint is not None:
+            self.pod_stats.observe(ex.endpoint.id, ex.status, ex.first_token, ex.chunk_gaps)
         self.metrics.count(self.metrics.requests, ex.model, str(ex.status))
         if ex.error:
             self.metrics.count(self.metrics.failures, ex.model, ex.error)
@@ -155,6 +163,7 @@ class Gateway:
             self.access.write({
                 "ts": round(time.time(), 3), "request_id": ex.request_id, "path": ex.path, "model": ex.model,
                 "key": ex.key, "status": ex.status, "mode": ex.mode, "upstream": ex.upstream,
+                "prefill": None if ex.prefill is None else ex.prefill.id,
                 "retries": ex.retries, "ttft_ms": None if ex.first_token is None else round(ex.first_token * 1e3, 3),
                 "duration_ms": round(elapsed * 1e3, 3), "error": ex.error,
             })
@@ -205,6 +214,26 @@ class Gateway:
         body = self.metrics.render(r for r in routers if isinstance(r, CollectorRegistry))
         out.send(200, body, [("Content-Type", CONTENT_TYPE)])
 
+    # --- what the gateway is doing: kvflow.router.status_api and .dashboard --------------
+
+    async def status(self, request: Request, out: Responder, ex: Exchange) -> None:
+        status_api.check_admin(self.auth, request.headers.get("authorization"))
+        pools = [status_api.pool_status(p.model, p.router, admission=(p.gate.queue.inflight, p.gate.queue.waiting),
+                                        stats=self.pod_stats, loras=self.pool_names[p.model].adapters)
+                 for p in self.pools.values()]
+        batches = await status_api.active_batches(self.batch_service)
+        send_json(out, 200, status_api.status_document("gateway", pools, batches), ex.request_id,
+                  [("Cache-Control", "no-store")])
+
+    async def dashboard(self, request: Request, out: Responder, ex: Exchange) -> None:
+        found = page_file(request.path)
+        if found is None:
+            raise RouteError(404, f"no route for {request.path}")
+        if request.method != "GET":
+            raise RouteError(405, f"{request.path} takes GET, not {request.method}")
+        status_api.check_admin(self.auth, request.headers.get("authorization"), login=True)
+        out.send(200, found[0], [("Content-Type", found[1]), *PAGE_HEADERS])
+
     # --- the data path --------------------------------------------------------------------
 
     async def _generate(self, request: Request, out: Responder, ex: Exchange, kind: str) -> None:
@@ -212,6 +241,7 @@ class Gateway:
         ex.key = key.name
         allowed = self._allowed_headers | key.allow_headers if key.allow_headers else self._allowed_headers
         strip_client_routing(request.headers, allowed)  # the router reads what is left
+        ex.explain = EXPLAIN in request.headers
         body, stripped = client_body(request.body, self._max_depth, self.config.client_kv_transfer_params)
         validate(kind, body)
         if stripped:
@@ -267,6 +297,7 @@ class Gateway:
                                   names=self.pool_names[pool.model], max_prompt_tokens=router.max_prompt_tokens)
         await router.prepare(sreq)
         result: SchedulingResult = router.schedule(sreq)
+        ex.prefill, ex.cached_tokens = result.prefill, result.cached_tokens
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
         if self._forward_auth and "authorization" in request.headers:
             upstream_headers["Authorization"] = request.headers["authorization"]

@@ -5,10 +5,11 @@ A key file holds one key per line (``#`` comments allowed), or YAML with per-key
     keys:
       - {key: sk-team-a, name: team-a, priority: 10, rate: 50, burst: 100}
       - {key: sk-batch, name: batch, priority: -5}
-      - {key: sk-ops, name: ops, allow_headers: [x-kvflow-profile, x-kvflow-priority]}
+      - {key: sk-ops, name: ops, allow_headers: [x-kvflow-profile, x-kvflow-explain], admin: true}
 
-``allow_headers`` lets that key choose a scheduling profile or a priority by header; nobody
-else may (the headers are removed from everyone else's requests).
+``allow_headers`` lets that key choose a scheduling profile or a priority by header, or ask
+where its request went (``x-kvflow-explain``); nobody else may (the headers are removed from
+everyone else's requests). ``admin`` lets it read the status page and its API.
 
 A Secret's data values hold the same text (each value is parsed; the keys of all values are
 merged). Keys are looked up by their SHA-256 digest, so a lookup takes no time that depends
@@ -36,7 +37,9 @@ class ApiKey:
     priority: int | None = None
     rate: Rate | None = None
     allow_headers: frozenset[str] = frozenset()
-    """kvflow routing headers this key may send (x-kvflow-profile, x-kvflow-priority)."""
+    """kvflow routing headers this key may send (x-kvflow-profile, x-kvflow-priority, x-kvflow-explain)."""
+    admin: bool = False
+    """May read the status page and ``/v1/kvflow/status`` (``kvflow.router.status_api``)."""
 
 
 ANONYMOUS = ApiKey(name="anonymous")
@@ -73,7 +76,7 @@ def _yaml_entry(index: int, entry: object, prefix: str) -> tuple[bytes, ApiKey]:
     except ValueError as exc:
         raise ValueError(f"keys[{index}]: {exc}") from None
     key = ApiKey(str(entry.get("name") or f"{prefix}-{index}"), None if priority is None else int(priority), rate,
-                 frozenset(allowed))
+                 frozenset(allowed), entry.get("admin") is True)
     return _digest(entry["key"]), key
 
 

@@ -24,6 +24,7 @@ from kvflow.gateway.config import TimeoutConfig
 from kvflow.gateway.http1 import ConnectError, ConnectionPool, Response
 from kvflow.gateway.httpserver import Responder
 from kvflow.endpoints import Endpoint
+from kvflow.routing_headers import ROUTE
 
 log = logging.getLogger("kvflow.gateway")
 SSE_CONTENT_TYPE = "text/event-stream"
@@ -59,10 +60,23 @@ class Exchange:
     error: str | None = None
     first_token: float | None = None
     chunk_gaps: list[float] = field(default_factory=list)
+    prefill: Endpoint | None = None
+    """The pod asked to prefill (P/D), whether or not it did."""
+    cached_tokens: int = 0
+    """Prompt tokens the router expected cached on its pick."""
+    explain: bool = False
+    """The client asked (``x-kvflow-explain``, where allowed) for the ``x-kvflow-route`` header."""
 
     @property
     def upstream(self) -> str:
         return "-" if self.endpoint is None else self.endpoint.id
+
+    def route_headers(self) -> list[tuple[str, str]]:
+        """``x-kvflow-route: pod=…; mode=aggregated|pd|pd_fallback; prefill=…|-; cached_tokens=N``, if asked."""
+        if not self.explain:
+            return []
+        prefill = "-" if self.prefill is None else self.prefill.id
+        return [(ROUTE, f"pod={self.upstream}; mode={self.mode}; prefill={prefill}; cached_tokens={self.cached_tokens}")]
 
 
 def sse_error(exc: KvflowError) -> bytes:
@@ -177,7 +191,7 @@ def whole_response(out: Responder, ex: Exchange, answer: Answer) -> None:
     assert answer.body is not None
     ex.status = answer.response.status
     out.send(ex.status, scrub_answer(answer.body), [("Content-Type", answer.response.content_type or "application/json"),
-                                      ("X-Request-Id", ex.request_id)])
+                                      ("X-Request-Id", ex.request_id), *ex.route_headers()])
 
 
 async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: float) -> None:
@@ -188,7 +202,8 @@ async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: fl
     ex.first_token = now - ex.start
     try:
         out.start(upstream.status, [("Content-Type", upstream.content_type or SSE_CONTENT_TYPE),
-                                    ("Cache-Control", "no-cache"), ("X-Request-Id", ex.request_id)])
+                                    ("Cache-Control", "no-cache"), ("X-Request-Id", ex.request_id),
+                                    *ex.route_headers()])
         await out.write(answer.first_chunk or b"")
         if isinstance(upstream, Response) and isinstance(out, Responder):
             await _relay(upstream, out, ex, now, idle)

@@ -113,6 +113,7 @@ async def start_gateway(config: GatewayConfig, routers: Mapping[str, PoolRouter]
         from kvflow.gateway.batch.service import BatchService
 
         batch = BatchService(gateway, config.batch)
+        gateway.batch_service = batch
     await gateway.upstream.start()
     for router in chosen.values():
         await router.start()

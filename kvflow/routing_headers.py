@@ -19,13 +19,17 @@ PICKED = "x-kvflow-endpoint"
 """A response header naming the picked pod: for debugging only, off by default."""
 PROFILE = "x-kvflow-profile"
 PRIORITY = "x-kvflow-priority"
+EXPLAIN = "x-kvflow-explain"
+"""A request that sends it (where allowed) is answered with ``x-kvflow-route``: its pod, its
+mode (aggregated or pd), the prefill pod and the prompt tokens the router expected cached."""
+ROUTE = "x-kvflow-route"
 
 NEVER_FROM_CLIENTS = frozenset({
     DESTINATION, PREFILLER, PICKED,
     "x-gateway-destination-endpoint-served", "x-prefiller-url",  # llm-d's other spellings
 })
 """Routing headers no configuration lets a client send."""
-ALLOWABLE = frozenset({PROFILE, PRIORITY})
+ALLOWABLE = frozenset({PROFILE, PRIORITY, EXPLAIN})
 """kvflow's own routing headers that configuration may let a client send."""
 KVFLOW_PREFIX = "x-kvflow-"
 
@@ -47,8 +51,8 @@ def strip_client_routing(headers: MutableMapping[str, str], allowed: Collection[
 
 
 def check_allowable(names: Collection[str]) -> list[str]:
-    """Header names a client may be allowed to send (lower-cased): only kvflow's profile and
-    priority headers; a ValueError names the others."""
+    """Header names a client may be allowed to send (lower-cased): only kvflow's profile,
+    priority and explain headers; a ValueError names the others."""
     lowered = [n.lower() for n in names]
     bad = sorted(set(lowered) - ALLOWABLE)
     if bad:

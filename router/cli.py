@@ -25,7 +25,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvflow import openai_api
 from kvflow.errors import KvflowError
+from kvflow.router import status_api
 from kvflow.router.config import load_config, read_source
+from kvflow.router.dashboard import HEADERS, page_file
 from kvflow.router.epp import TlsOptions, serve_health, server_credentials
 from kvflow.router.extproc import ExtProcLimits, serve
 from kvflow.router.request import tokens_off_loop
@@ -47,7 +49,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--port", "--grpc-port", dest="port", type=int, default=9002, help="ext_proc gRPC port")
     p.add_argument("--grpc-health-port", type=int, default=9003,
                    help="plaintext gRPC health (service 'inference-extension', for kubelet probes; 0: off)")
-    p.add_argument("--metrics-port", type=int, default=9090, help="/metrics and /debug/decisions (0: off)")
+    p.add_argument("--metrics-port", type=int, default=9090,
+                   help="/metrics, /debug/decisions, /v1/kvflow/status and /dashboard (0: off)")
     p.add_argument("--secure-serving", action=argparse.BooleanOptionalAction, default=True,
                    help="TLS on the ext_proc port (default; --no-secure-serving is plaintext)")
     p.add_argument("--cert-path", type=Path, default=None,
@@ -138,6 +141,16 @@ def metrics_app(router: Router) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def status(_: web.Request) -> web.Response:  # the metrics port is the cluster's, not clients'
+        pool = status_api.pool_status(router.config.model or router.config.pool_name, router, loras=router.config.loras)
+        return web.json_response(status_api.status_document("router", [pool]))
+
+    async def dashboard(request: web.Request) -> web.Response:
+        found = page_file(request.path)
+        if found is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=found[0], headers={"Content-Type": found[1], **dict(HEADERS)})
+
     async def tokenize(request: web.Request) -> web.Response:
         """vLLM's ``/tokenize`` with the router's own tokenizer, the one it fingerprints prompts
         with: what it sees of a prompt, to set beside a pod's answer (and a benchmark warms it)."""
@@ -154,6 +167,9 @@ def metrics_app(router: Router) -> web.Application:
     app.router.add_get("/debug/decisions", decisions)
     app.router.add_get("/debug/endpoints", endpoints)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get(status_api.STATUS_PATH, status)
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/dashboard/static/{name}", dashboard)
     app.router.add_post("/tokenize", tokenize)
     return app
 

@@ -184,6 +184,11 @@ class Datastore:
             )
         return self._by_role
 
+    def last_scrape(self, endpoint_id: EndpointId) -> float | None:
+        """When the pod's /metrics last answered (``time.monotonic()``), None if never."""
+        state = self._states.get(endpoint_id)
+        return state.last_ok if state else None
+
     def view(self, endpoint_id: EndpointId) -> EndpointView | None:
         state = self._states.get(endpoint_id)
         return state.current() if state else None

@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -188,6 +190,9 @@ class KvEventSubscriber:
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[EndpointId, asyncio.Task[None]] = {}
         self.last_seq: dict[EndpointId, int] = {}
+        self.heard_at: dict[EndpointId, tuple[float, float | None]] = {}
+        """Per endpoint, when its last batch was applied (unix time) and how long after the pod
+        stamped it (the status API's KV-event lag; None for a stamp that is not a float)."""
 
     def add(self, endpoint: Endpoint, address: str | Sequence[str], replay: str | None = None) -> None:
         """Subscribe to ``address``, or to each of several (a data-parallel pod publishes one
@@ -210,6 +215,7 @@ class KvEventSubscriber:
         for stream in [s for s in self.last_seq if s == endpoint_id or s.startswith(f"{endpoint_id}#")]:
             del self.last_seq[stream]
         self.heard.discard(endpoint_id)
+        self.heard_at.pop(endpoint_id, None)
 
     async def close(self) -> None:
         for eid in list(self._tasks):
@@ -288,6 +294,8 @@ class KvEventSubscriber:
             self._problem(endpoint_id, "bad_batch")
             return
         self.heard.add(endpoint_id)
+        now = time.time()
+        self.heard_at[endpoint_id] = (now, _lag(payload, now))
         for i, part in enumerate(slices(events)):
             if i:
                 await asyncio.sleep(0)
@@ -296,6 +304,14 @@ class KvEventSubscriber:
         if self.on_event is not None:
             for kind, n in counts.items():
                 self.on_event(endpoint_id, kind, n)
+
+
+def _lag(payload: bytes, now: float) -> float | None:
+    """``now`` less the batch's ``ts``, read from its msgpack head (an array, then a float 64)
+    without decoding the rest; None where the head is another shape."""
+    if len(payload) >= 10 and 0x92 <= payload[0] <= 0x9F and payload[1] == 0xCB:
+        return now - struct.unpack_from(">d", payload, 2)[0]
+    return None
 
 
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)

@@ -269,6 +269,10 @@ class Router:
     def explain(self, n: int = 10) -> list[dict[str, Any]]:
         return self.log.last(n)
 
+    def kv_heard(self) -> dict[EndpointId, tuple[float, float | None]]:
+        """Per pod, when its last KV-event batch was applied and its lag (the status API)."""
+        return dict(self._kv.heard_at) if self._kv is not None else {}
+
     def flight(self, request: SchedulingRequest, result: SchedulingResult) -> Flight:
         """The accounting of a scheduled request: tell it each attempt (see ``kvflow.router.flight``)."""
         decided = self._pending.pop(request.request_id, None)

@@ -357,5 +357,5 @@ async def test_access_log_has_one_json_line_per_request(start, caplog) -> None: 
     assert [(x["request_id"], x["status"], x["mode"], x["upstream"], x["error"]) for x in lines] == [
         ("log-1", 200, "aggregated", stack.pods[0].endpoint.id, None),
         ("log-2", 200, "aggregated", stack.pods[0].endpoint.id, None)]
-    assert list(lines[0]) == ["ts", "request_id", "path", "model", "key", "status", "mode", "upstream", "retries",
-                              "ttft_ms", "duration_ms", "error"]
+    assert list(lines[0]) == ["ts", "request_id", "path", "model", "key", "status", "mode", "upstream", "prefill",
+                              "retries", "ttft_ms", "duration_ms", "error"]
