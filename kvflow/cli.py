@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("kvflow.gateway.cli", "run the OpenAI-compatible gateway"),
     "operator": ("kvflow.operator.cli", "run the Kubernetes operator, or render its objects"),
     "batch": ("kvflow.batchcli", "submit a JSONL file to the gateway's Batch API, watch it, get results"),
+    "status": ("kvflow.statuscli", "show pods, routing decisions and batches (kubectl-style tables)"),
     "tokenizer": ("kvflow.tokenizer_fetch", "fetch a hub model's tokenizer files (routers' init container)"),
     "bench": ("kvflow.local.benchcli", "run a benchmark from bench/"),
 }
