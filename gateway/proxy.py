@@ -119,6 +119,9 @@ class Upstream:
         except (OSError, TimeoutError) as exc:
             response.close()
             raise AttemptFailed("body", f"{endpoint.id}: answer cut short: {exc}") from None
+        except asyncio.CancelledError:  # the client left: closing the connection aborts the pod's generation
+            response.close()
+            raise
         response.release()
         return body
 
@@ -128,6 +131,9 @@ class Upstream:
         except (OSError, TimeoutError) as exc:
             response.close()
             raise AttemptFailed("stream_start", f"{endpoint.id}: stream failed: {exc}") from None
+        except asyncio.CancelledError:  # the client left before the first token: the pod stops too
+            response.close()
+            raise
         if not chunk:
             response.close()
             raise AttemptFailed("stream_start", f"{endpoint.id}: stream ended before its first chunk")
@@ -138,6 +144,9 @@ class Upstream:
             text = (await response.read(self.timeouts.idle))[:200].decode(errors="replace")
         except (OSError, TimeoutError):
             text = ""
+        except asyncio.CancelledError:
+            response.close()
+            raise
         response.release()
         return text
 

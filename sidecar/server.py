@@ -124,6 +124,9 @@ class Sidecar:
                 response.close()
                 log.warning("request %s: local model server %s: %s", ex.request_id, self.local.id, exc)
                 raise UpstreamError(f"the local model server failed ({type(exc).__name__})") from None
+            except asyncio.CancelledError:  # the client left: closing the connection aborts the generation
+                response.close()
+                raise
             response.release()
             out.send(response.status, scrub_answer(data) if request.path in _GENERATE else data, passed)
             return
