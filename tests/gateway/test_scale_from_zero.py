@@ -33,10 +33,11 @@ from kvflow.gateway.hold import Hold
 from kvflow.gateway.server import RunningGateway, start_gateway
 from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from kvflow.router.datastore import Datastore
+from kvflow.router.router import Router
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
-kube_emulator = pytest.importorskip("kube_emulator")
-import kmock  # noqa: E402  (after the emulator, which needs it too)
+import kmock  # noqa: E402
+import kube_emulator  # noqa: E402  (the operator tests' emulated API server)
 
 MODEL = "tiny"
 NS = "ml"
@@ -56,13 +57,17 @@ class Cluster:
         async with self.server.client.post(path, json=obj) as resp:
             assert resp.status < 400, await resp.text()
 
-    async def add_ready_pod(self, name: str, role: str = "both") -> None:
+    async def add_ready_pod(self, name: str, role: str = "both", host: str = POD_HOST) -> None:
         await self.create(PODS, {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": {"app": MODEL, "llm-d.ai/role": role}},
-            "status": {"podIP": POD_HOST, "phase": "Running",
+            "status": {"podIP": host, "phase": "Running",
                        "conditions": [{"type": "Ready", "status": "True"}]},
         })
+
+    async def delete_pod(self, name: str) -> None:
+        async with self.server.client.delete(f"{PODS}/{name}") as resp:
+            assert resp.status < 400, await resp.text()
 
 
 @pytest.fixture
@@ -135,6 +140,15 @@ async def until_held(hold: Hold, n: int) -> None:
         await hold.changed()
 
 
+def endpoint_changes(gateway: RunningGateway) -> asyncio.Queue[tuple[str, bool]]:
+    """(endpoint id, added) for every change of the set the gateway's router routes over."""
+    changes: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+    router = gateway.routers[MODEL]
+    assert isinstance(router, Router)
+    router.datastore.subscribe(lambda endpoint, added: changes.put_nowait((endpoint.id, added)))
+    return changes
+
+
 async def metric(http: aiohttp.ClientSession, gateway: RunningGateway, name: str, **labels: str) -> float:
     async with http.get(f"http://127.0.0.1:{gateway.port}/metrics") as resp:
         text = await resp.text()
@@ -188,6 +202,44 @@ async def test_requests_held_at_zero_are_served_once_the_first_pod_is_ready(
     status, _, body = await post(http, gateway, "/v1/completions", COMPLETION)
     assert status == 200, body
     assert not hold.empty()
+
+
+async def test_a_pd_pool_waits_for_a_decode_pod_not_a_prefill_one(
+        cluster: Cluster, gateway: RunningGateway, pods: ProcessGroup, http: aiohttp.ClientSession) -> None:
+    hold, changes = the_hold(gateway), endpoint_changes(gateway)
+    held = asyncio.create_task(post(http, gateway, "/v1/completions", COMPLETION))
+    await until_held(hold, 1)
+    await cluster.add_ready_pod("tiny-prefill-0", role="prefill", host="127.0.0.3")
+    assert await changes.get() == (f"127.0.0.3:{cluster.port}", True)
+    assert hold.held == 1 and hold.empty()
+    assert await metric(http, gateway, "kvflow_gateway_held_requests") == 1
+
+    await start_sim(pods, cluster)
+    await cluster.add_ready_pod("tiny-decode-0", role="decode")
+    status, _, body = await held
+    assert status == 200, body
+    # a short prompt is not worth a prefill pod (the router's threshold): served by the decode pod
+    assert await metric(http, gateway, "kvflow_gateway_routed_total", mode="aggregated") == 1
+
+
+async def test_a_pool_scaled_back_to_zero_holds_again(
+        cluster: Cluster, gateway: RunningGateway, pods: ProcessGroup, http: aiohttp.ClientSession) -> None:
+    hold, changes = the_hold(gateway), endpoint_changes(gateway)
+    await start_sim(pods, cluster)
+    await cluster.add_ready_pod("tiny-0")
+    assert await changes.get() == (f"{POD_HOST}:{cluster.port}", True)
+    status, _, _ = await post(http, gateway, "/v1/completions", COMPLETION)
+    assert status == 200 and hold.held == 0
+
+    await cluster.delete_pod("tiny-0")  # the autoscaler took the pool back to zero
+    assert await changes.get() == (f"{POD_HOST}:{cluster.port}", False)
+    assert hold.empty()
+    again = asyncio.create_task(post(http, gateway, "/v1/completions", COMPLETION))
+    await until_held(hold, 1)
+    await cluster.add_ready_pod("tiny-1")
+    status, _, body = await again
+    assert status == 200, body
+    assert await metric(http, gateway, "kvflow_gateway_routed_total", mode="aggregated") == 2
 
 
 @pytest.mark.parametrize("gateway", [(0.2, {})], indirect=True)
