@@ -70,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     a("--kv-events-topic", default="")
     a("--kv-events-replay-endpoint", default=None)
     a("--kv-events-config", default=None, help="vLLM's JSON form of the three options above")
+    a("--kv-offloading-size", type=float, default=None, metavar="GIB",
+      help="CPU memory for offloaded KV blocks, GiB (vLLM's native OffloadingConnector; default: off)")
+    a("--kv-offloading-backend", default="native", choices=("native",),
+      help="offloading backend (vLLM also has lmcache, which the simulator does not model)")
     a("--role", default="both", choices=("prefill", "decode", "both"))
     a("--kv-transfer", default="modelled", choices=("modelled", "nixl", "none"))
     a("--kv-pin-timeout", type=float, default=DEFAULT_PIN_TIMEOUT_S)
@@ -118,7 +122,9 @@ def build_state(args: argparse.Namespace) -> SimState:
     sampler = Sampler(tokenizer)
     scheduler = _scheduler(args, profile, sampler)
     loras = {a.name: a for a in (parse_lora(s, i + 1) for i, s in enumerate(args.lora_modules))}
-    metrics = _metrics(args, served[0], scheduler.config.num_blocks, lora=bool(loras) or args.enable_lora)
+    metrics = _metrics(args, served[0], scheduler.config.num_blocks, lora=bool(loras) or args.enable_lora,
+                       offload_bytes=(profile.kv_bytes_per_token, profile.offload_bytes_per_s)
+                       if scheduler.config.num_cpu_blocks else None)
     faults = Faults(args.fault_fail_rate, args.fault_stall_after, args.fault_slow_factor, args.fault_crash_after)
     faults.validate()
     publisher = None
@@ -158,17 +164,33 @@ def _scheduler(args: argparse.Namespace, profile: Profile, sampler: Sampler) -> 
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_transfer=args.kv_transfer != "none",
+        num_cpu_blocks=num_cpu_blocks(args.kv_offloading_size, args.block_size, profile.kv_bytes_per_token),
     )
     return Scheduler(config, sampler, enable_events=bool(args.kv_events_endpoint))
 
 
-def _metrics(args: argparse.Namespace, model_name: str, num_blocks: int, *, lora: bool) -> SimMetrics:
+def num_cpu_blocks(size_gib: float | None, block_size: int, kv_bytes_per_token: int) -> int:
+    """CPU offload blocks in ``size_gib``: vLLM's ``cpu_bytes_to_use // bytes per offloaded
+    block`` (``kv_offloading_size * 2**30``; the offloaded block is the GPU block here)."""
+    if size_gib is None:
+        return 0
+    if not size_gib > 0:
+        raise ValueError(f"--kv-offloading-size must be a number of GiB > 0, got {size_gib}")
+    blocks = int(size_gib * (1 << 30)) // (block_size * kv_bytes_per_token)
+    if blocks < 1:
+        raise ValueError(f"--kv-offloading-size {size_gib} GiB holds no {block_size}-token block "
+                         f"({block_size * kv_bytes_per_token} bytes each)")
+    return blocks
+
+
+def _metrics(args: argparse.Namespace, model_name: str, num_blocks: int, *, lora: bool,
+             offload_bytes: tuple[int, float] | None = None) -> SimMetrics:
     cache_info = cache_config_info(
         block_size=args.block_size, num_blocks=num_blocks, num_blocks_override=args.num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, hash_algo=args.prefix_caching_hash_algo,
-        max_model_len=args.max_model_len)
+        max_model_len=args.max_model_len, kv_offloading_size=args.kv_offloading_size)
     return SimMetrics(model_name, max_model_len=args.max_model_len, cache_info=cache_info,
-                      max_loras=args.max_loras if lora else None)
+                      max_loras=args.max_loras if lora else None, offload_bytes=offload_bytes)
 
 
 def _transfer(args: argparse.Namespace, profile: Profile, clock: Clock) -> KVTransfer:

@@ -188,6 +188,8 @@ class Engine:
             lora_running=lambda: loras(sched.running),
             lora_waiting=lambda: loras([*sched.waiting, *sched.remote_waiting.values()]),
             slipped_seconds=lambda: self.slipped_seconds,
+            offload_stored_tokens=lambda: (sched.pool.offload.stored_blocks * self.block_size
+                                           if sched.pool.offload is not None else 0),
         )
 
     def _post(self, at: float, apply: Apply) -> None:
@@ -255,7 +257,9 @@ class Engine:
                 self._parked = True
                 continue
             seconds = self._current_profile().step_seconds(
-                plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens)
+                plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens, plan.reload_tokens)
+            if self.metrics is not None and plan.reload_tokens:
+                self.metrics.on_offload_load(plan.reload_tokens, self.profile.reload_seconds(plan.reload_tokens))
             self._inflight = Step(plan, self._now, self._now + seconds)
             return
 

@@ -10,6 +10,9 @@
 * A hit on a free cached block takes it off the queue again (``touch``).
 * Caching a full block records its hash and queues a ``BlockStored`` event; the engine drains
   the events once per step and publishes them as one batch.
+* With CPU offloading (``CpuTier``, vLLM's OffloadingConnector on the native CPU backend), every
+  block a step fills is also written to a CPU pool with its own LRU, and a prompt whose GPU hit
+  ends early continues its hit there (docs/simulator.md, "CPU KV offloading").
 
 Pure logic: no clock, no I/O.
 """
@@ -24,6 +27,7 @@ from typing import Any
 from kvflow.hashing import BlockHash, to_external
 from kvflow.protocol.kv_events import (
     KV_CACHE_SPEC_KIND,
+    MEDIUM_CPU,
     MEDIUM_GPU,
     WireAllBlocksCleared,
     WireBlockRemoved,
@@ -60,9 +64,90 @@ class StoreInfo:
 
 
 @dataclass(slots=True)
+class CpuTier:
+    """vLLM 0.32's CPU offload pool: ``LRUOffloadingManager`` over ``CPUBackend``, scheduler side.
+
+    * ``store`` (the connector's ``prepare_store`` + ``complete_store``): the hashes not yet held
+      are written; when the pool is short, the least recently used blocks are evicted first
+      (``BlockRemoved``, medium CPU), then the written ones announced (``BlockStored``, medium
+      CPU, no parent, no tokens, no LoRA: what the connector's ``take_events`` sends). A batch
+      larger than the whole pool is not stored at all (vLLM's ``prepare_store`` returns None).
+    * ``touch``: the hashes become the most recently used, the first one most of all (vLLM
+      touches in reverse), so a prompt's tail is evicted before its head.
+    * ``lookup``: how many of the hashes, from the first, the pool holds.
+
+    Loads are instant here (the engine charges their time to the step), so no block is ever
+    pinned by a load in flight and every block can be evicted.
+    """
+
+    num_blocks: int
+    block_size: int
+    enable_events: bool = True
+    _lru: OrderedDict[BlockHash, None] = field(init=False, default_factory=OrderedDict)
+    _events: list[Any] = field(init=False, default_factory=list)
+    stored_blocks: int = field(init=False, default=0)
+    """Blocks written GPU -> CPU so far (the ``GPU_to_CPU`` transfer counter)."""
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError("a CPU offload pool needs at least one block")
+
+    @property
+    def num_used(self) -> int:
+        return len(self._lru)
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._lru
+
+    def lru_order(self) -> list[BlockHash]:
+        """Held hashes, next to be evicted first."""
+        return list(self._lru)
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def touch(self, hashes: Sequence[BlockHash]) -> None:
+        for h in reversed(hashes):
+            if h in self._lru:
+                self._lru.move_to_end(h)
+
+    def store(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Write the hashes not yet held; returns them (none when they cannot fit)."""
+        new = [h for h in dict.fromkeys(hashes) if h not in self._lru]
+        if len(new) > self.num_blocks:
+            return []
+        evict = max(0, len(self._lru) + len(new) - self.num_blocks)
+        evicted = [self._lru.popitem(last=False)[0] for _ in range(evict)]
+        if evicted and self.enable_events:
+            self._events.append(WireBlockRemoved(block_hashes=[to_external(h) for h in evicted], medium=MEDIUM_CPU))
+        for h in new:
+            self._lru[h] = None
+        self.stored_blocks += len(new)
+        if new and self.enable_events:
+            self._events.append(WireBlockStored(
+                block_hashes=[to_external(h) for h in new], parent_block_hash=None, token_ids=[],
+                block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None))
+        return new
+
+    def clear(self) -> None:
+        self._lru.clear()
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
+
+
+@dataclass(slots=True)
 class BlockPool:
     num_blocks: int
     enable_events: bool = True
+    offload: CpuTier | None = None
+    """The CPU tier behind this pool, when offloading is on."""
     blocks: list[Block] = field(init=False)
     _free: OrderedDict[int, None] = field(init=False)
     _cached: dict[BlockHash, dict[int, None]] = field(init=False, default_factory=dict)
@@ -180,12 +265,18 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = ()
+        if self.offload is not None:  # one reset empties both tiers: a benchmark's runs start cold
+            self.offload.clear()
         if self.enable_events:
             self._events.append(WireAllBlocksCleared())
         return True
 
     def take_events(self) -> list[Any]:
+        """The step's GPU events, then the CPU tier's (vLLM appends the connector's events after
+        the block pool's)."""
         events, self._events = self._events, []
+        if self.offload is not None:
+            events += self.offload.take_events()
         return events
 
     def _evict(self, block: Block) -> None:

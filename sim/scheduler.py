@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvflow.sim.kvcache import BlockPool, StoreInfo
+from kvflow.sim.kvcache import BlockPool, CpuTier, StoreInfo
 from kvflow.sim.request import SimRequest, Status
 
 Sample = Callable[[SimRequest], tuple[int, str]]
@@ -45,6 +45,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     kv_transfer: bool = True
     """Honour P/D ``kv_transfer_params`` (pin on remote decode, pull on remote prefill)."""
+    num_cpu_blocks: int = 0
+    """CPU offload pool size in blocks (``--kv-offloading-size``); 0: no offloading."""
 
 
 @dataclass(slots=True)
@@ -56,6 +58,8 @@ class StepPlan:
     num_decoding: int = 0
     decode_ctx_tokens: int = 0
     prefill_tokens: int = 0
+    reload_tokens: int = 0
+    """Prompt tokens whose KV this step loads back from the CPU tier instead of computing."""
 
     @property
     def empty(self) -> bool:
@@ -73,7 +77,8 @@ class PrefixStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, sample: Sample, *, enable_events: bool = True) -> None:
         self.config = config
-        self.pool = BlockPool(config.num_blocks, enable_events=enable_events)
+        offload = CpuTier(config.num_cpu_blocks, config.block_size, enable_events) if config.num_cpu_blocks else None
+        self.pool = BlockPool(config.num_blocks, enable_events=enable_events, offload=offload)
         self.sample = sample
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -153,6 +158,8 @@ class Scheduler:
             req.status = Status.RUNNING
             if req.scheduled_at is None:
                 req.scheduled_at = now
+            plan.reload_tokens += req.reloading
+            req.reloading = 0
             budget -= num_new
             self._add_to_plan(plan, req, num_new)
 
@@ -169,11 +176,22 @@ class Scheduler:
         req.block_ids = hit
         req.num_cached_blocks = len(hit)
         req.num_computed = len(hit) * self.config.block_size
+        local = req.num_computed
+        cpu = self.pool.offload
+        if cpu is not None and self.config.enable_prefix_caching and not req.remote_pull_done:
+            # the OffloadingConnector: touch the prompt's blocks, then continue the GPU hit on CPU
+            cpu.touch(hashes)
+            req.reloading = cpu.lookup(hashes[len(hit):max_blocks]) * self.config.block_size
+            req.num_computed += req.reloading
         if req.num_preemptions == 0 and not req.remote_pull_done:
             req.cached_tokens = req.num_computed
+            req.offloaded_tokens = req.reloading
             self.prefix_stats.queries += len(req.all_token_ids)
-            self.prefix_stats.hits += req.num_computed
-            if self.config.kv_transfer and req.wants_remote_decode:
+            self.prefix_stats.hits += local
+            if cpu is not None:
+                self.prefix_stats.external_queries += len(req.all_token_ids) - local
+                self.prefix_stats.external_hits += req.reloading
+            elif self.config.kv_transfer and req.wants_remote_decode:
                 # a P/D request also asks the connector for what the local cache lacks
                 self.prefix_stats.external_queries += len(req.all_token_ids) - req.num_computed
 
@@ -181,13 +199,17 @@ class Scheduler:
         """Undo a prefix lookup for a request that could not be admitted this step."""
         if req.remote_pull_done:
             return
+        local = req.num_computed - req.reloading
         if req.num_preemptions == 0:
             self.prefix_stats.queries -= len(req.all_token_ids)
-            self.prefix_stats.hits -= req.num_computed
-            if self.config.kv_transfer and req.wants_remote_decode:
+            self.prefix_stats.hits -= local
+            if self.pool.offload is not None:
+                self.prefix_stats.external_queries -= len(req.all_token_ids) - local
+                self.prefix_stats.external_hits -= req.reloading
+            elif self.config.kv_transfer and req.wants_remote_decode:
                 self.prefix_stats.external_queries -= len(req.all_token_ids) - req.num_computed
         self.pool.free(req.block_ids)
-        req.block_ids, req.num_computed, req.num_cached_blocks = [], 0, 0
+        req.block_ids, req.num_computed, req.num_cached_blocks, req.reloading = [], 0, 0, 0
 
     def _start_remote(self, req: SimRequest, plan: StepPlan) -> bool:
         self._lookup_prefix(req)
@@ -267,6 +289,9 @@ class Scheduler:
             first_index=first, parent=hashes[first - 1] if first else None, info=self._store_info(req),
         )
         req.num_cached_blocks = num_full
+        if self.pool.offload is not None:  # the connector writes every block a step fills to CPU
+            self.pool.offload.store(hashes[:num_full])
+            self.pool.offload.touch(hashes[:num_full])
 
     def _store_info(self, req: SimRequest) -> StoreInfo:
         lora = req.lora

@@ -247,7 +247,8 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             pod.plan = None
             return
         pod.plan = plan
-        pod.step_end = now + profile.step_seconds(plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens)
+        pod.step_end = now + profile.step_seconds(plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens,
+                                                  plan.reload_tokens)
         push(pod.step_end, "step", pod.index)
 
     def tell(kind: str, i: int, now: float) -> None:

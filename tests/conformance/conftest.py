@@ -34,7 +34,8 @@ def wait_ready_polling(group: ProcessGroup, child: Child, sub: zmq.Socket, timeo
         sub.poll(20)
 
 
-def launch(group: ProcessGroup, kind: str, *, hash_algo: str = "sha256", hash_seed: str | None = "0") -> Target:
+def launch(group: ProcessGroup, kind: str, *, hash_algo: str = "sha256", hash_seed: str | None = "0",
+           extra_args: tuple[str, ...] = ()) -> Target:
     """Start one server of ``kind`` in ``group`` with a fresh SUB socket bound for its events."""
     if hash_seed is None and "PYTHONHASHSEED" in os.environ:
         pytest.skip("PYTHONHASHSEED is set in this environment; cannot test the unset default")
@@ -45,7 +46,7 @@ def launch(group: ProcessGroup, kind: str, *, hash_algo: str = "sha256", hash_se
     sub.bind(events)
     host = "127.0.0.2"  # not the events host: the server connects there, as vLLM does
     ep = Endpoints(host, free_port(host), events, f"tcp://127.0.0.1:{free_port()}")
-    argv, env = command(kind, ep, hash_algo=hash_algo, hash_seed=hash_seed)
+    argv, env = command(kind, ep, hash_algo=hash_algo, hash_seed=hash_seed, extra_args=extra_args)
     child = group.start(f"{kind}-{ep.port}", argv, env=env, ready_url=f"http://{host}:{ep.port}/health")
     try:
         wait_ready_polling(group, child, sub, 30.0 if kind == "sim" else 900.0)

@@ -73,7 +73,8 @@ class Endpoints:
     replay: str
 
 
-def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None) -> tuple[list[str], dict[str, str]]:
+def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None,
+            extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep.events, "topic": TOPIC,
                          "replay_endpoint": ep.replay})
     if kind == "sim":
@@ -85,6 +86,7 @@ def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None) 
             "--served-model-name", MODEL, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
             "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "16", "--profile", "fast",
             "--prefix-caching-hash-algo", hash_algo, "--kv-events-config", config, "--enable-server-load-tracking",
+            *extra_args,
         )
         return argv, ({"PYTHONHASHSEED": hash_seed} if hash_seed is not None else {})
     from kvflow.local import realvllm
@@ -93,7 +95,7 @@ def command(kind: str, ep: Endpoints, *, hash_algo: str, hash_seed: str | None) 
         realvllm.ensure_tiny_model(), ep.host, ep.port, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
         hash_seed=hash_seed or "", hash_algo=hash_algo, kv_events_endpoint=ep.events,
         kv_events_replay_endpoint=ep.replay,
-        extra_args=["--num-gpu-blocks-override", str(NUM_BLOCKS), "--enable-server-load-tracking"],
+        extra_args=["--num-gpu-blocks-override", str(NUM_BLOCKS), "--enable-server-load-tracking", *extra_args],
     )
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for POST /reset_prefix_cache
     if hash_seed is None:
