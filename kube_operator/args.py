@@ -8,12 +8,15 @@ references in them from the container's environment (used for the pod name in KV
 from __future__ import annotations
 
 import json
+import shlex
 
 from kvflow.operator import names, volumes
-from kvflow.operator.spec import LLMService, PoolRole
+from kvflow.operator.spec import OBJECT_STORES, Engine, LLMService, PoolRole
 
 def model_path(svc: LLMService) -> str:
-    """Where the engine finds the model: a hub id, or a path inside a mounted volume."""
+    """Where the engine finds the model: a hub id, a bucket URL, or a path inside a mounted volume."""
+    if svc.spec.model.scheme in OBJECT_STORES:
+        return svc.spec.model.source
     return volumes.source_path(svc.spec.model.source, oci_dir=f"{volumes.MODELS_DIR}/oci")
 
 
@@ -45,59 +48,98 @@ def kv_transfer_config(svc: LLMService) -> str:
     }, separators=(",", ":"))
 
 
-def vllm_engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
+def _vllm_model_args(svc: LLMService) -> list[str]:
     spec = svc.spec
-    engine = spec.engine
-    args = [
-        model_path(svc),
-        "--served-model-name", spec.model.name,
-        "--host", "0.0.0.0",
-        "--port", str(names.engine_port(svc, role)),
-        "--tensor-parallel-size", str(engine.tensor_parallel_size),
-        "--data-parallel-size", str(engine.data_parallel_size),
-        "--block-size", str(engine.block_size),
-        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
-    ]
+    args = [model_path(svc), "--served-model-name", spec.model.name]
+    if spec.model.scheme in OBJECT_STORES:  # streamed from the bucket, never copied to disk
+        args += ["--load-format", "runai_streamer"]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
     tokenizer = volumes.engine_tokenizer(svc)
     if tokenizer:
         args += ["--tokenizer", tokenizer]
+    return args
+
+
+def _parallelism_args(engine: Engine) -> list[str]:
+    par = engine.parallelism
+    args = ["--tensor-parallel-size", str(par.tensor), "--data-parallel-size", str(par.data)]
+    if par.pipeline > 1:
+        args += ["--pipeline-parallel-size", str(par.pipeline)]
+    if par.data_local is not None:
+        args += ["--data-parallel-size-local", str(par.local_ranks)]
+    if par.expert:
+        args.append("--enable-expert-parallel")
+    return args
+
+
+def vllm_engine(svc: LLMService, role: PoolRole, *, worker: bool = False) -> tuple[list[str], list[str]]:
+    """vLLM's command line. In a multi-node pool (a LeaderWorkerSet group) the leader serves the
+    API with the first ``dataLocal`` ranks; each worker runs its ranks ``--headless``, joining the
+    leader at ``$(LWS_LEADER_ADDRESS)``."""
+    spec = svc.spec
+    engine = spec.engine_for(role)
+    args = [
+        *_vllm_model_args(svc),
+        "--host", "0.0.0.0",
+        "--port", str(names.engine_port(svc, role)),
+        *_parallelism_args(engine),
+        "--block-size", str(spec.engine.block_size),
+        "--enable-prefix-caching" if spec.engine.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
-    if spec.model.lora_adapters:
-        args += ["--enable-lora", "--lora-modules"]
-        args += [f"{adapter.name}={adapter_path(adapter.source)}" for adapter in spec.model.lora_adapters]
+    if engine.kv_offloading_size is not None:  # vLLM's CPU tier for KV blocks the GPU evicts
+        args += ["--kv-offloading-size", f"{engine.kv_offloading_size:g}", "--kv-offloading-backend", "native"]
+    if spec.model.lora_adapters:  # adapters are loaded at run time (kvflow.operator.adapters)
+        args.append("--enable-lora")
     if spec.kv_transfer.connector != "None" and spec.disaggregated:
         args += ["--kv-transfer-config", kv_transfer_config(svc)]
     if spec.routing.kv_events:
         args += ["--kv-events-config", kv_events_config(svc)]
+    if engine.multi_node:
+        args += ["--data-parallel-address", "$(LWS_LEADER_ADDRESS)",
+                 "--data-parallel-rpc-port", str(names.DATA_PARALLEL_RPC_PORT)]
     args += list(engine.extra_args)
-    return ["vllm", "serve"], args
+    if not engine.multi_node:
+        return ["vllm", "serve"], args
+    # A worker's first rank is its index in the group times the ranks per pod: shell arithmetic,
+    # since Kubernetes' $(VAR) expansion cannot multiply.
+    start = f"$((LWS_WORKER_INDEX * {engine.parallelism.local_ranks}))" if worker else "0"
+    line = " ".join(["exec", "vllm", "serve", *(_shell(a) for a in args),
+                     "--data-parallel-start-rank", start, *(["--headless"] if worker else [])])
+    return ["/bin/sh", "-c"], [line]
+
+
+def _shell(arg: str) -> str:
+    """Quote for sh, leaving $(LWS_...) for the shell (Kubernetes leaves unknown $(VAR)s alone)."""
+    if arg.startswith("$(") and arg.endswith(")"):
+        return "$" + arg[2:-1].join("{}")
+    return shlex.quote(arg)
 
 
 def sim_engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
     spec = svc.spec
-    engine = spec.engine
-    split = spec.disaggregated
+    engine = spec.engine_for(role)
     args = [
         "sim",
         "--host", "0.0.0.0",
         "--port", str(names.engine_port(svc, role)),
-        "--role", role if split else "both",
+        "--role", role,
         "--model", spec.model.name,
-        "--block-size", str(engine.block_size),
-        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--block-size", str(spec.engine.block_size),
+        "--enable-prefix-caching" if spec.engine.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.kv_offloading_size is not None:
+        args += ["--kv-offloading-size", f"{engine.kv_offloading_size:g}", "--kv-offloading-backend", "native"]
     tokenizer = volumes.engine_tokenizer(svc)
     if tokenizer:
         args += ["--tokenizer", tokenizer]
     if spec.model.lora_adapters:
-        args += ["--enable-lora", "--lora-modules"]
-        args += [f"{adapter.name}={adapter_path(adapter.source)}" for adapter in spec.model.lora_adapters]
-    if split and spec.kv_transfer.connector == "NixlConnector":
+        args += ["--enable-lora"]
+    if spec.disaggregated and spec.kv_transfer.connector == "NixlConnector":
         args += ["--kv-transfer", "nixl", "--nixl-side-channel-port", str(spec.kv_transfer.side_channel_port)]
     if spec.routing.kv_events:
         args += ["--kv-events-config", kv_events_config(svc)]
@@ -105,10 +147,10 @@ def sim_engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
     return ["kvflow"], args
 
 
-def engine(svc: LLMService, role: PoolRole) -> tuple[list[str], list[str]]:
+def engine(svc: LLMService, role: PoolRole, *, worker: bool = False) -> tuple[list[str], list[str]]:
     if svc.spec.engine.kind == "sim":
         return sim_engine(svc, role)
-    return vllm_engine(svc, role)
+    return vllm_engine(svc, role, worker=worker)
 
 
 def routing_sidecar(svc: LLMService) -> tuple[list[str], list[str]]:

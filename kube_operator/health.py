@@ -9,6 +9,7 @@ into one ``Problem`` per component and reason; ``summary`` words them for the st
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ WAITING_REASONS = {
     "RunContainerError": "cannot start the container",
 }
 COMPONENT_LABEL = "app.kubernetes.io/component"
-POOLS = ("prefill", "decode")
+POOLS = ("aggregated", "prefill", "decode")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,8 +40,15 @@ class Problem:
         if not self.pods:
             return f"{what}: {self.reason}: {self.detail}"
         count = f"pod {self.pods[0]}" if len(self.pods) == 1 else f"{len(self.pods)} pods ({self.pods[0]}, ...)"
-        verb = WAITING_REASONS.get(self.reason, {"Unschedulable": "cannot be scheduled"}.get(self.reason, ""))
+        verb = WAITING_REASONS.get(self.reason, {"Unschedulable": "cannot be scheduled",
+                                                 "InsufficientAccelerators": "cannot be scheduled"}.get(self.reason, ""))
         return f"{what}: {count} {verb} ({self.reason}): {self.detail}".replace("  ", " ")
+
+
+def _lacks_accelerators(message: str) -> bool:
+    """The scheduler's "0/4 nodes are available: 4 Insufficient nvidia.com/gpu." names a device."""
+    lacking = re.findall(r"Insufficient ([\w./-]+)", message)
+    return any(name not in ("cpu", "memory", "ephemeral-storage", "pods") for name in lacking)
 
 
 def _pod_issue(pod: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -55,7 +63,8 @@ def _pod_issue(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     for condition in status.get("conditions") or []:
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
                 and condition.get("reason") == "Unschedulable":
-            return "Unschedulable", condition.get("message") or "no node fits"
+            message = condition.get("message") or "no node fits"
+            return ("InsufficientAccelerators" if _lacks_accelerators(message) else "Unschedulable"), message
     return None
 
 

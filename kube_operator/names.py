@@ -10,7 +10,10 @@ from kvflow import IMAGE as KVFLOW_IMAGE
 from kvflow import VLLM_VERSION
 from kvflow.operator.spec import LLMService, PoolRole
 
-Component = Literal["prefill", "decode", "router", "gateway"]
+Component = Literal["prefill", "decode", "both", "router", "gateway"]
+"""A child's part of the service: an engine pool (by its role) or the router or the gateway."""
+# An aggregated pool (role ``both``) is named and labelled for what it is.
+POOL_COMPONENTS: dict[str, str] = {"prefill": "prefill", "decode": "decode", "both": "aggregated"}
 
 FIELD_MANAGER = "kvflow-operator"
 LABEL_SERVICE = "kvflow.io/service"
@@ -29,6 +32,10 @@ ROUTER_GRPC_PORT = 9002
 ROUTER_HEALTH_PORT = 9003
 ROUTER_HEALTH_SERVICE = "inference-extension"
 ROUTER_METRICS_PORT = 9090
+# Multi-node pools (LeaderWorkerSets): vLLM's data-parallel RPC port on the group's leader.
+DATA_PARALLEL_RPC_PORT = 5555
+# The label LeaderWorkerSet puts on every pod of a group: 0 on the leader.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 # Engines publish KV events on this port (vLLM binds tcp://*:PORT); the router connects to each pod.
 KV_EVENTS_PORT = 5557
 CONFIG_DIR = "/etc/kvflow"
@@ -48,17 +55,26 @@ class Images:
 
     kvflow: str = DEFAULT_KVFLOW_IMAGE
     vllm: str = DEFAULT_VLLM_IMAGE
+    # The Dockerfile's nixl target: the simulator with NIXL, for simulated P/D pools.
+    kvflow_nixl: str = f"{DEFAULT_KVFLOW_IMAGE}-nixl"
 
     @classmethod
     def from_env(cls) -> Images:
+        kvflow = os.environ.get("KVFLOW_IMAGE", DEFAULT_KVFLOW_IMAGE)
         return cls(
-            kvflow=os.environ.get("KVFLOW_IMAGE", DEFAULT_KVFLOW_IMAGE),
+            kvflow=kvflow,
             vllm=os.environ.get("KVFLOW_VLLM_IMAGE", DEFAULT_VLLM_IMAGE),
+            kvflow_nixl=os.environ.get("KVFLOW_NIXL_IMAGE", f"{kvflow}-nixl"),
         )
 
 
+def component_label(component: Component) -> str:
+    """``app.kubernetes.io/component`` of a child, and the suffix of its name."""
+    return POOL_COMPONENTS.get(component, component)
+
+
 def child_name(svc: LLMService, component: Component) -> str:
-    return f"{svc.name}-{component}"
+    return f"{svc.name}-{component_label(component)}"
 
 
 def pool_name(svc: LLMService) -> str:
@@ -70,7 +86,7 @@ def selector_labels(svc: LLMService, component: Component) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "kvflow",
         "app.kubernetes.io/instance": svc.name,
-        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/component": component_label(component),
     }
 
 
@@ -81,10 +97,10 @@ def labels(svc: LLMService, component: Component) -> dict[str, str]:
         "app.kubernetes.io/part-of": "kvflow",
         LABEL_SERVICE: svc.name,
     }
-    if component in ("prefill", "decode"):
+    if component in POOL_COMPONENTS:
         out[LABEL_ROLE] = component
         out[LABEL_ENGINE] = "true"
-        out[LABEL_LLMD_ROLE] = component if svc.spec.disaggregated else "both"
+        out[LABEL_LLMD_ROLE] = component
     return out
 
 
@@ -100,7 +116,7 @@ SIDECAR_ENGINE_PORT_OFFSET = 200
 
 def uses_sidecar(svc: LLMService, role: PoolRole) -> bool:
     """Decode pods need the P/D routing sidecar when an external Gateway (ext_proc) routes."""
-    return role == "decode" and svc.spec.disaggregated and svc.spec.gateway.mode == "httpRoute"
+    return role == "decode" and svc.spec.gateway.mode == "httpRoute"
 
 
 def engine_port(svc: LLMService, role: PoolRole) -> int:

@@ -31,13 +31,16 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
         ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
     ("keda.sh/v1alpha1", "ScaledObject"): ("/apis/keda.sh/v1alpha1", "scaledobjects"),
+    ("v1", "PersistentVolumeClaim"): ("/api/v1", "persistentvolumeclaims"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     ("coordination.k8s.io/v1", "Lease"): ("/apis/coordination.k8s.io/v1", "leases"),
     (API_VERSION, KIND): (f"/apis/{API_VERSION}", "llmservices"),
 }
 
 # The order in which children are applied: what others reference comes first.
 APPLY_ORDER = [
-    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Deployment",
+    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PersistentVolumeClaim", "Service", "Deployment",
+    "LeaderWorkerSet",
     "PodDisruptionBudget", "InferencePool", "HTTPRoute", "HorizontalPodAutoscaler", "ScaledObject",
 ]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvflow.operator import names
 from kvflow.operator.objects import Obj, key
-from kvflow.operator.render_pools import template_hash
+from kvflow.operator.render_pools import template_hash, workload_kind
 from kvflow.operator.spec import LLMService, PoolRole
 
 Key = tuple[str, str, str]
@@ -47,16 +47,26 @@ class Plan:
         return all(not (p.pending or p.rolling or p.held) for p in self.pools.values())
 
 
+def available(observed: Mapping[str, Any]) -> int:
+    """Available replicas of a pool's workload: a Deployment's pods, or a LeaderWorkerSet's ready
+    groups (it counts no "available")."""
+    status = observed.get("status") or {}
+    if observed.get("kind") == "LeaderWorkerSet":
+        return int(status.get("readyReplicas", 0))
+    return int(status.get("availableReplicas", 0))
+
+
 def deployment_settled(observed: Mapping[str, Any]) -> bool:
-    """Has the Deployment controller finished the rollout of the Deployment's current spec?"""
+    """Has the workload's controller finished the rollout of its current spec?"""
     spec = observed.get("spec") or {}
     status = observed.get("status") or {}
     meta = observed.get("metadata") or {}
     wanted = int(spec.get("replicas", 1))
-    if int(status.get("observedGeneration", 0)) < int(meta.get("generation", 0)):
+    # Older LeaderWorkerSet controllers write no observedGeneration: their counts are all there is.
+    seen = status.get("observedGeneration", None if observed.get("kind") == "LeaderWorkerSet" else 0)
+    if seen is not None and int(seen) < int(meta.get("generation", 0)):
         return False
-    return (int(status.get("updatedReplicas", 0)) >= wanted
-            and int(status.get("availableReplicas", 0)) >= wanted
+    return (int(status.get("updatedReplicas", 0)) >= wanted and available(observed) >= wanted
             and int(status.get("replicas", 0)) <= wanted)
 
 
@@ -72,8 +82,8 @@ def plan(svc: LLMService, desired: list[Obj], observed: Mapping[Key, Obj],
     by_key = {key(obj): obj for obj in apply}
     pools: dict[PoolRole, PoolRollout] = {}
     blocked = False
-    for role in svc.spec.rollout.pool_order:
-        dkey = ("apps/v1", "Deployment", names.child_name(svc, role))
+    for role in rollout_order(svc):
+        dkey = (*workload_kind(svc, role), names.child_name(svc, role))
         want = by_key.get(dkey)
         have = observed.get(dkey)
         if want is None:
@@ -93,8 +103,15 @@ def plan(svc: LLMService, desired: list[Obj], observed: Mapping[Key, Obj],
     return Plan(apply=apply, delete=delete, pools=pools)
 
 
+def rollout_order(svc: LLMService) -> list[PoolRole]:
+    """The rendered pools in ``rollout.poolOrder`` (an aggregated service has one)."""
+    roles = svc.spec.roles
+    return [role for name in svc.spec.rollout.pool_order for role in roles if svc.spec.section_name(role) == name]
+
+
 def _hold_template(want: Obj, have: Mapping[str, Any]) -> None:
-    want["spec"]["template"] = copy.deepcopy(have["spec"]["template"])
+    field = "leaderWorkerTemplate" if want["kind"] == "LeaderWorkerSet" else "template"
+    want["spec"][field] = copy.deepcopy(have["spec"][field])
     annotations = want["metadata"].setdefault("annotations", {})
     annotations[names.ANNOTATION_TEMPLATE_HASH] = template_hash(have)
 

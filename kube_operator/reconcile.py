@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvflow.operator import health, lifecycle, names, scrape
+from kvflow.operator import adapters, health, lifecycle, names, scrape
 from kvflow.operator import status as status_mod
 from kvflow.operator.kube import ApiError, KubeClient
 from kvflow.operator.objects import APPLY_ORDER, RESOURCES, Obj, content_hash, key
@@ -138,6 +138,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
     observed: dict[Key, Obj] = {}
     pods: list[Obj] = []
     scale: dict[PoolRole, int] = {}
+    loaded: list[adapters.PodAdapters] | None = None  # this round's LoRA loads (lifecycle rounds)
     try:
         observed = await observe(rt.client, svc)
         pods = await rt.client.list("v1", "Pod", svc.namespace, {names.LABEL_SERVICE: svc.name})
@@ -147,6 +148,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
             raise ApiError(404, "the cluster does not serve " + "; ".join(missing) + ": install it first")
         if lifecycle_duties:
             scale, events = await _lifecycle(rt, svc, observed, pods)
+            loaded = await adapters.sync_service(svc, pods, rt.config.scrape_timeout, previous)
         decided = plan(svc, desired, observed, scale)
         full = not lifecycle_duties or rt.resync_due(svc.uid)
         for obj in decided.apply:
@@ -166,6 +168,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
                    if uid == svc.uid and rounds >= rt.config.unreachable_rounds}
     new = status_mod.compute(svc, decided, observed, now=rt.wall(), previous=previous, error=error,
                              problems=problems, unreachable=unreachable)
+    events += adapters.report(new, loaded, adapters.desired_adapters(svc), svc.generation, rt.wall(), previous)
     return Outcome(new, events + status_mod.transition_events(previous, new))
 
 

@@ -16,48 +16,48 @@ from kvflow.operator.render_picker import (
     picker_rbac,
     picker_service,
 )
-from kvflow.operator.render_pools import NON_ROOT, rendered_roles
-from kvflow.operator.spec import LLMService, PoolRole
+from kvflow.operator.render_pools import NON_ROOT, rendered_roles, workload_kind
+from kvflow.operator.spec import CUSTOM_PROFILE, InvalidSpecError, LLMService, PoolRole
 from kvflow.protocol.vllm_metrics import WAITING
+from kvflow.router.config import load_config
 
-# The operator's scorer names -> the router's built-in plugin names (kvflow.router.config).
-SCORER_PLUGINS = {"load": "active-requests", "queueDepth": "queue", "kvCacheUtilization": "kv-cache",
-                  "lora": "lora-affinity"}
-FILTER_PLUGINS = ("model-filter", "healthy-filter", "saturation-filter")
-PROFILE = "kvflow"  # the profile built from routing.scorerWeights
-BUILTIN_PROFILES = {"load": "least-load", "random": "round-robin"}
-
-
-def _scorer_plugin(svc: LLMService, scorer: str) -> str:
-    if scorer == "prefix":  # exact block hashes from KV events, else the router's own estimate
-        return "prefix-precise" if svc.spec.routing.kv_events else "prefix-approx"
-    return SCORER_PLUGINS[scorer]
+def _custom_profile(svc: LLMService) -> dict[str, Any]:
+    """routing.plugins as the router's ``plugins`` and one scheduling profile that uses them."""
+    entries = svc.spec.routing.plugins
+    plugins = [{"name": e.ref, "type": e.type, **({"parameters": dict(e.parameters)} if e.parameters else {})}
+               for e in entries]
+    refs = [{"pluginRef": e.ref, **({"weight": e.weight} if e.weight is not None else {})} for e in entries]
+    return {"plugins": plugins, "schedulingProfiles": [{"name": CUSTOM_PROFILE, "plugins": refs}]}
 
 
 def router_config(svc: LLMService) -> dict[str, Any]:
-    """The router's configuration file (``kvflow router --config``), in its strict schema."""
+    """The router's configuration file (``kvflow router --config``), in its strict schema, and
+    checked by the router's own loader: a spec whose plugins the router would refuse is refused
+    here (an ``InvalidSpec`` condition), never rendered into a crash-looping router."""
     spec = svc.spec
-    profile = BUILTIN_PROFILES.get(spec.routing.scheduler_profile, PROFILE)
+    engines = [spec.engine_for(role) for role in spec.roles]
+    kv_events: dict[str, Any] = {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT,
+                                 "dataParallelSize": max(e.parallelism.local_ranks for e in engines)}
+    if any(e.kv_offloading_size for e in engines):  # a CPU tier keeps what the GPU cache evicts
+        kv_events["predictEvictions"] = False
     config: dict[str, Any] = {
         "blockSize": spec.engine.block_size,
         "hashSeed": spec.routing.hash_seed,
-        "defaultProfile": profile,
-        "kvEvents": {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT,
-                     "dataParallelSize": spec.engine.data_parallel_size},
-        "pd": {"enabled": spec.disaggregated and spec.routing.scheduler_profile == "pd",
-               "threshold": spec.routing.pd_threshold},
+        "defaultProfile": spec.routing.profile_name,
+        "kvEvents": kv_events,
+        # P/D happens only where the pool has prefill pods: an aggregated service has none.
+        "pd": {"threshold": spec.routing.pd_threshold},
         "pool": {"name": names.pool_name(svc), "kubernetes": {
             "namespace": svc.namespace, "inferencePool": names.pool_name(svc), "roleLabel": names.LABEL_ROLE}},
     }
     if spec.model.lora_adapters:
         config["loraPaths"] = {a.name: args.adapter_path(a.source) for a in spec.model.lora_adapters}
-    if profile == PROFILE:
-        weights = sorted((name, weight) for name, weight in spec.routing.scorer_weights.items() if weight > 0)
-        config["schedulingProfiles"] = [{"name": PROFILE, "plugins": [
-            *({"pluginRef": name} for name in FILTER_PLUGINS),
-            *({"pluginRef": _scorer_plugin(svc, name), "weight": weight} for name, weight in weights),
-            {"pluginRef": "max-score"},
-        ]}]
+    if spec.routing.plugins:
+        config |= _custom_profile(svc)
+    try:
+        load_config(config)
+    except ValueError as exc:
+        raise InvalidSpecError(f"routing.plugins: {str(exc).removeprefix('invalid router config: ')}") from None
     return config
 
 
@@ -68,7 +68,8 @@ def gateway_config(svc: LLMService) -> dict[str, Any]:
         "host": "0.0.0.0",
         "port": svc.spec.gateway.port,
         "pools": [{"model": svc.spec.model.name, "profile": config["defaultProfile"], "router_config": config,
-                   "tokenizer": volumes.tokenizer_storage(svc)[1]}],
+                   "tokenizer": volumes.tokenizer_storage(svc)[1],
+                   "hold_when_empty_seconds": svc.spec.gateway.hold_seconds}],
         "batch": {"dir": BATCH_DIR},
     }
 
@@ -236,7 +237,8 @@ def _hpa(svc: LLMService, role: PoolRole) -> Obj:
     low, high = _bounds(svc, role)
     obj = new(svc, "autoscaling/v2", "HorizontalPodAutoscaler", names.child_name(svc, role), role)
     obj["spec"] = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.child_name(svc, role)},
+        "scaleTargetRef": {"apiVersion": workload_kind(svc, role)[0], "kind": workload_kind(svc, role)[1],
+                           "name": names.child_name(svc, role)},
         "minReplicas": low, "maxReplicas": high,
         "metrics": [{"type": "Pods", "pods": {
             "metric": {"name": QUEUE_METRIC_ADAPTED},
@@ -248,19 +250,34 @@ def _hpa(svc: LLMService, role: PoolRole) -> Obj:
     return obj
 
 
+HELD_METRIC = "kvflow_gateway_held_requests"  # requests the gateway holds for a pool with no ready pod
+
+
+def scaling_query(svc: LLMService, role: PoolRole) -> str:
+    """Prometheus query of a pool's demand: its engines' queues and, for the pool that serves
+    requests, what the gateway holds for it, which is all there is to read while it has no pods."""
+    waiting = (f'sum({QUEUE_METRIC}{{namespace="{svc.namespace}",'
+               f'pod=~"{names.child_name(svc, role)}-.*"}}) or vector(0)')
+    if role == "prefill":
+        return waiting
+    held = f'sum({HELD_METRIC}{{namespace="{svc.namespace}",model="{svc.spec.model.name}"}}) or vector(0)'
+    return f"({waiting}) + ({held})"
+
+
 def _scaled_object(svc: LLMService, role: PoolRole) -> Obj:
     low, high = _bounds(svc, role)
     obj = new(svc, "keda.sh/v1alpha1", "ScaledObject", names.child_name(svc, role), role)
-    query = (f'sum({QUEUE_METRIC}{{namespace="{svc.namespace}",'
-             f'pod=~"{names.child_name(svc, role)}-.*"}})')
+    api_version, kind = workload_kind(svc, role)
     obj["spec"] = {
-        "scaleTargetRef": {"name": names.child_name(svc, role)},
+        "scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": names.child_name(svc, role)},
         "minReplicaCount": low, "maxReplicaCount": high, "cooldownPeriod": 300,
         "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {
             "stabilizationWindowSeconds": svc.spec.autoscaling.scale_down_stabilization_seconds}}}},
         "triggers": [{"type": "prometheus", "metadata": {
             "serverAddress": svc.spec.autoscaling.prometheus_address,
-            "query": query, "threshold": _quantity(svc.spec.autoscaling.target_queue_depth),
+            "query": scaling_query(svc, role), "threshold": _quantity(svc.spec.autoscaling.target_queue_depth),
+            # Any demand at all wakes a pool at zero.
+            "activationThreshold": "0",
         }}],
     }
     return obj

@@ -14,6 +14,7 @@ from kvflow.operator import args, names
 from kvflow.operator.objects import Obj, config_file, content_hash, new
 from kvflow.operator.render_pools import NON_ROOT
 from kvflow.operator.spec import LLMService
+from kvflow.router.config import BUILTIN_PLUGINS, BUILTIN_PROFILES
 
 Rule = dict[str, list[str]]
 _READ = ["get", "list", "watch"]
@@ -86,33 +87,47 @@ def picker_deployment(svc: LLMService, pod_spec: Obj, config_text: str) -> Obj:
     return deployment
 
 
-# routing.scorerWeights -> GIE v1.0's scorer plugins. GIE has no active-request count, so kvflow's
-# "load" falls back on the queue; its prefix scorer estimates cache hits from the prompt's
-# characters (it reads no KV events).
-GIE_SCORERS = {"prefix": "prefix-cache-scorer", "load": "queue-scorer", "queueDepth": "queue-scorer",
-               "kvCacheUtilization": "kv-cache-utilization-scorer", "lora": "lora-affinity-scorer"}
+# kvflow's plugin types -> GIE v1.0's, for the same profile run by GIE's EPP. GIE has no
+# active-request count (its queue scorer stands in), reads no KV events (its prefix scorer
+# estimates hits from the prompt) and has no TTFT estimate: ttft-scorer becomes the two signals it
+# weighs, the prefix cache and the queue.
+GIE_SCORERS: dict[str, tuple[str, ...]] = {
+    "prefix-cache-scorer": ("prefix-cache-scorer",), "precise-prefix-cache-scorer": ("prefix-cache-scorer",),
+    "queue-scorer": ("queue-scorer",), "active-request-scorer": ("queue-scorer",),
+    "running-requests-scorer": ("queue-scorer",), "kv-cache-utilization-scorer": ("kv-cache-utilization-scorer",),
+    "lora-affinity-scorer": ("lora-affinity-scorer",), "ttft-scorer": ("prefix-cache-scorer", "queue-scorer"),
+}
+GIE_PICKERS = {"max-score-picker": "max-score-picker", "weighted-random-picker": "weighted-random-picker",
+               "round-robin-picker": "random-picker"}
 GIE_PROFILE = "default"
 
 
-def gie_scorer_weights(svc: LLMService) -> dict[str, float]:
-    """The GIE scorers (and their weights) closest to the router's profile for this spec."""
+def profile_plugins(svc: LLMService) -> list[tuple[str, float | None]]:
+    """(plugin type, weight) of the profile the router runs for this spec, in order."""
     routing = svc.spec.routing
-    if routing.scheduler_profile == "random":
-        return {}
-    if routing.scheduler_profile == "load":  # the router's least-load, less active requests
-        return {"queue-scorer": 1.0, "kv-cache-utilization-scorer": 1.0}
+    if routing.plugins:
+        return [(p.type, p.weight) for p in routing.plugins]
+    types = {p.name: p.type for p in BUILTIN_PLUGINS}
+    profile = next(p for p in BUILTIN_PROFILES if p.name == routing.profile_name)
+    return [(types[ref.plugin_ref], ref.weight) for ref in profile.plugins]
+
+
+def gie_scorer_weights(svc: LLMService) -> tuple[dict[str, float], str]:
+    """The GIE scorers (and their weights) closest to the router's profile, and GIE's picker."""
     weights: dict[str, float] = {}
-    for scorer, weight in sorted(routing.scorer_weights.items()):
-        if weight > 0:
-            plugin = GIE_SCORERS[scorer]
-            weights[plugin] = weights.get(plugin, 0.0) + weight
-    return weights
+    picker = "max-score-picker"
+    for plugin_type, weight in profile_plugins(svc):
+        if plugin_type in GIE_PICKERS:
+            picker = GIE_PICKERS[plugin_type]
+        for gie in GIE_SCORERS.get(plugin_type, ()):
+            weights[gie] = weights.get(gie, 0.0) + float(weight or 0)
+    weights = {name: weight for name, weight in sorted(weights.items()) if weight > 0}
+    return weights, picker if weights or picker != "max-score-picker" else "random-picker"
 
 
 def gie_config(svc: LLMService) -> dict[str, Any]:
     """GIE's ``EndpointPickerConfig`` equivalent to kvflow's scoring for this spec."""
-    weights = gie_scorer_weights(svc)
-    picker = "max-score-picker" if weights else "random-picker"
+    weights, picker = gie_scorer_weights(svc)
     plugins = ["single-profile-handler", *weights, picker]
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",

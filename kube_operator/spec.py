@@ -10,6 +10,7 @@ Field names are camelCase on the wire (as in the CRD) and snake_case in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Annotated, Any, Literal
 
@@ -23,8 +24,12 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "LLMService"
 PLURAL = "llmservices"
 
-PoolRole = Literal["prefill", "decode"]
-POOL_ROLES: tuple[PoolRole, ...] = ("prefill", "decode")
+SpecPool = Literal["prefill", "decode"]
+"""The spec's two pool sections. ``decode`` is the pool that serves every request: with no prefill
+replicas it is an aggregated pool (role ``both``), else the decode half of a P/D pair."""
+SPEC_POOLS: tuple[SpecPool, ...] = ("prefill", "decode")
+PoolRole = Literal["prefill", "decode", "both"]
+"""A rendered pool's role, in the router's words (``kvflow.io/role``, ``llm-d.ai/role``)."""
 
 # Flags the operator sets itself; passing them through extraArgs would silently fight it (or,
 # like --block-size and --prefix-caching-hash-algo, desync the router's block hashes).
@@ -34,16 +39,19 @@ MANAGED_ENGINE_FLAGS = frozenset({
     "--block-size", "--enable-prefix-caching", "--prefix-caching-hash-algo", "--enable-lora",
     "--model", "--tokenizer", "--revision", "--data-parallel-size-local", "--data-parallel-rank",
     "--data-parallel-start-rank", "--data-parallel-address", "--data-parallel-rpc-port",
+    "--pipeline-parallel-size", "--enable-expert-parallel", "--headless", "--load-format",
+    "--kv-offloading-size", "--kv-offloading-backend",
 })
 # vLLM's short aliases (vllm/engine/arg_utils.py) of flags above.
 ENGINE_FLAG_ALIASES = {
     "-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-dpl": "--data-parallel-size-local",
     "-dpn": "--data-parallel-rank", "-dpr": "--data-parallel-start-rank", "-dpa": "--data-parallel-address",
-    "-dpp": "--data-parallel-rpc-port",
+    "-dpp": "--data-parallel-rpc-port", "-pp": "--pipeline-parallel-size", "-ep": "--enable-expert-parallel",
 }
 # Environment the operator sets in engine pods; the spec may not set them again.
 OWNED_ENV = frozenset({"POD_NAME", "POD_NAMESPACE", "PYTHONHASHSEED", "HF_HOME",
-                       "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
+                       "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT",
+                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING"})
 # Labels that select pods (Deployments, Services, the InferencePool, the router's P/D pairing):
 # a podTemplate that changed them would orphan or mis-route pods.
 PROTECTED_LABELS = frozenset({
@@ -66,18 +74,34 @@ def engine_flag(arg: str) -> str | None:
     return ENGINE_FLAG_ALIASES.get(name, name)
 
 
-KNOWN_SCORERS = frozenset({"prefix", "load", "kvCacheUtilization", "queueDepth", "lora"})
+# Router profiles an LLMService can name (kvflow.router.config.BUILTIN_PROFILES; a test keeps
+# them equal). ``default`` is the profile `make up` runs and the routing benchmark measures.
+BUILTIN_PROFILES = ("default", "prefix-precise", "prefix-approx", "least-load", "round-robin")
+CUSTOM_PROFILE = "custom"  # the router profile rendered from routing.plugins
 # The Inference Extension's own endpoint picker (routing.picker gie), at the release whose
 # InferencePool (inference.networking.k8s.io/v1) and EndpointPickerConfig the operator renders.
 GIE_EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
-_SOURCE_RE = re.compile(r"^(hf|pvc|oci)://[^\s]+$")
+SOURCE_SCHEMES = ("hf", "s3", "gs", "pvc", "oci")
+OBJECT_STORES = ("s3", "gs")  # vLLM streams these with --load-format runai_streamer
+_SOURCE_RE = re.compile(r"^(hf|s3|gs|pvc|oci)://[^\s]+$")
+_ADAPTER_SOURCE_RE = re.compile(r"^(hf|pvc|oci)://[^\s]+$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# Resource names that are not accelerators: anything else in a pool's resources is one.
+PLAIN_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+DEFAULT_ACCELERATOR = "nvidia.com/gpu"
 
 
 class _Model(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
     )
+
+
+def _replaced(value: object, old: str, new: str) -> None:
+    """A field the spec no longer takes: refused with what replaces it (never silently dropped)."""
+    if value is not None:
+        raise ValueError(f"{old} is replaced by {new}")
 
 
 class LoraAdapter(_Model):
@@ -87,7 +111,7 @@ class LoraAdapter(_Model):
     @pydantic.field_validator("source")
     @classmethod
     def _source_scheme(cls, value: str) -> str:
-        if not _SOURCE_RE.match(value):
+        if not _ADAPTER_SOURCE_RE.match(value):
             raise ValueError(f"adapter source {value!r} must start with hf://, pvc:// or oci://")
         return value
 
@@ -99,21 +123,37 @@ class ModelSpec(_Model):
     lora_adapters: tuple[LoraAdapter, ...] = ()
     # Where the router finds the served model's tokenizer; default: the model's own source.
     tokenizer: str | None = None
+    # A Secret whose keys become the engine's environment (HF_TOKEN; AWS_ACCESS_KEY_ID,
+    # AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; GOOGLE_APPLICATION_CREDENTIALS...).
+    credentials_secret: Annotated[str | None, Field(pattern=_DNS_NAME, max_length=253)] = None
     # A PersistentVolumeClaim for the Hugging Face cache of an hf:// model (default: emptyDir).
-    cache_pvc: Annotated[str | None, Field(alias="cachePVC", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-                                           max_length=253)] = None
+    cache_pvc: Annotated[str | None, Field(alias="cachePVC", pattern=_DNS_NAME, max_length=253)] = None
+    # Or let the operator create one (ReadWriteMany, shared by every engine pod of the service).
+    cache_size: Annotated[str | None, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")] = None
+    cache_storage_class: Annotated[str | None, Field(pattern=_DNS_NAME, max_length=253)] = None
 
     @pydantic.field_validator("source", "tokenizer")
     @classmethod
     def _source_scheme(cls, value: str | None) -> str | None:
         if value is not None and not _SOURCE_RE.match(value):
-            raise ValueError(f"model source {value!r} must start with hf://, pvc:// or oci://")
+            raise ValueError(f"model source {value!r} must start with hf://, s3://, gs://, pvc:// or oci://")
+        return value
+
+    @pydantic.field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_readable(cls, value: str | None) -> str | None:
+        if value is not None and value.split("://", 1)[0] in OBJECT_STORES:
+            raise ValueError("model.tokenizer must be hf://, pvc:// or oci:// (the router reads it)")
         return value
 
     @pydantic.model_validator(mode="after")
     def _cache_for_hub_models(self) -> ModelSpec:
-        if self.cache_pvc and self.scheme != "hf":
-            raise ValueError("model.cachePVC holds a hub download cache: it needs an hf:// source")
+        if (self.cache_pvc or self.cache_size) and self.scheme != "hf":
+            raise ValueError("model.cachePVC and model.cacheSize hold a hub download cache: they need an hf:// source")
+        if self.cache_pvc and self.cache_size:
+            raise ValueError("model.cachePVC names an existing claim, model.cacheSize has one created: set one")
+        if self.cache_storage_class and not self.cache_size:
+            raise ValueError("model.cacheStorageClass needs model.cacheSize")
         return self
 
     @pydantic.field_validator("lora_adapters")
@@ -134,6 +174,68 @@ class ModelSpec(_Model):
         return self.source.split("://", 1)[1]
 
 
+class Parallelism(_Model):
+    """vLLM's parallelism of one engine (a pod, or a multi-node group of pods).
+
+    ``data`` ranks in all, ``dataLocal`` of them per pod: ``data / dataLocal`` pods form one
+    engine (a LeaderWorkerSet group, as llm-d's wide-EP deployments run it). Each pod holds
+    ``tensor * pipeline * dataLocal`` accelerators.
+    """
+
+    tensor: Annotated[int, Field(ge=1, le=64)] = 1
+    data: Annotated[int, Field(ge=1, le=1024)] = 1
+    data_local: Annotated[int | None, Field(ge=1, le=64)] = None
+    pipeline: Annotated[int, Field(ge=1, le=64)] = 1
+    expert: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _ranks_divide(self) -> Parallelism:
+        if self.data_local is not None and (self.data_local > self.data or self.data % self.data_local):
+            raise ValueError(f"parallelism.dataLocal ({self.data_local}) must divide parallelism.data ({self.data})")
+        return self
+
+    @property
+    def local_ranks(self) -> int:
+        return self.data_local or self.data
+
+    @property
+    def nodes(self) -> int:
+        return self.data // self.local_ranks
+
+    @property
+    def devices(self) -> int:
+        """Accelerators each pod needs."""
+        return self.tensor * self.pipeline * self.local_ranks
+
+
+class ParallelismOverride(_Model):
+    tensor: Annotated[int | None, Field(ge=1, le=64)] = None
+    data: Annotated[int | None, Field(ge=1, le=1024)] = None
+    data_local: Annotated[int | None, Field(ge=1, le=64)] = None
+    pipeline: Annotated[int | None, Field(ge=1, le=64)] = None
+    expert: bool | None = None
+
+
+def _check_extra_args(value: tuple[str, ...], where: str) -> tuple[str, ...]:
+    clashes = sorted({arg for arg in value if engine_flag(arg) in MANAGED_ENGINE_FLAGS})
+    if clashes:
+        raise ValueError(
+            f"{where} must not set {', '.join(clashes)}: the operator sets "
+            f"{', '.join(sorted({engine_flag(a) or a for a in clashes}))} from the spec "
+            "(use the matching spec field instead)")
+    return value
+
+
+def _check_env(value: tuple[dict[str, Any], ...], where: str) -> tuple[dict[str, Any], ...]:
+    names = []
+    for item in value:
+        if not isinstance(item.get("name"), str) or not item["name"]:
+            raise ValueError(f"every {where} entry needs a name")
+        names.append(item["name"])
+    _check_env_names(names, where)
+    return value
+
+
 class EngineSpec(_Model):
     kind: Literal["vllm", "sim"] = "vllm"
     image: str | None = None
@@ -142,32 +244,56 @@ class EngineSpec(_Model):
     env: tuple[dict[str, Any], ...] = ()
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     enable_prefix_caching: bool = True
-    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
-    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    parallelism: Parallelism = Parallelism()
+    # The extended resource each pod's accelerators are asked as: nvidia.com/gpu, amd.com/gpu,
+    # google.com/tpu, ... or "none" (CPU engines). Default: the one a pool's resources name,
+    # else nvidia.com/gpu for vLLM and none for the simulator.
+    accelerator: Annotated[str | None, Field(pattern=r"^(none|([a-z0-9.-]+/)?[a-z0-9][-a-z0-9_.]*)$")] = None
+    # GiB of CPU memory per pod for KV blocks the accelerator evicts (vLLM's --kv-offloading-size,
+    # native backend); added to the pod's memory request and limit.
+    kv_offloading_size: Annotated[float | None, Field(gt=0, le=4096, alias="kvOffloadingGiB")] = None
     block_size: Annotated[int, Field(ge=1, le=256)] = 16
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    tensor_parallel_size: int | None = None  # replaced: refused with a message
+    data_parallel_size: int | None = None  # replaced: refused with a message
 
     @pydantic.field_validator("extra_args")
     @classmethod
     def _no_managed_flags(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        clashes = sorted({arg for arg in value if engine_flag(arg) in MANAGED_ENGINE_FLAGS})
-        if clashes:
-            raise ValueError(
-                f"engine.extraArgs must not set {', '.join(clashes)}: the operator sets "
-                f"{', '.join(sorted({engine_flag(a) or a for a in clashes}))} from the spec "
-                "(use the matching spec field instead)")
-        return value
+        return _check_extra_args(value, "engine.extraArgs")
 
     @pydantic.field_validator("env")
     @classmethod
     def _env_names(cls, value: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
-        names = []
-        for item in value:
-            if not isinstance(item.get("name"), str) or not item["name"]:
-                raise ValueError("every engine.env entry needs a name")
-            names.append(item["name"])
-        _check_env_names(names, "engine.env")
-        return value
+        return _check_env(value, "engine.env")
+
+    @pydantic.model_validator(mode="after")
+    def _replaced_fields(self) -> EngineSpec:
+        _replaced(self.tensor_parallel_size, "engine.tensorParallelSize", "engine.parallelism.tensor")
+        _replaced(self.data_parallel_size, "engine.dataParallelSize", "engine.parallelism.data")
+        return self
+
+
+class EngineOverride(_Model):
+    """One pool's changes to the shared ``engine``: parallelism field by field, extra arguments
+    after the shared ones (vLLM's parser keeps a repeated flag's last value), env merged by name."""
+
+    parallelism: ParallelismOverride = ParallelismOverride()
+    extra_args: tuple[str, ...] = ()
+    env: tuple[dict[str, Any], ...] = ()
+    accelerator: Annotated[str | None, Field(pattern=r"^(none|([a-z0-9.-]+/)?[a-z0-9][-a-z0-9_.]*)$")] = None
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    kv_offloading_size: Annotated[float | None, Field(gt=0, le=4096, alias="kvOffloadingGiB")] = None
+
+    @pydantic.field_validator("extra_args")
+    @classmethod
+    def _no_managed_flags(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _check_extra_args(value, "engine.extraArgs of a pool")
+
+    @pydantic.field_validator("env")
+    @classmethod
+    def _env_names(cls, value: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+        return _check_env(value, "engine.env of a pool")
 
 
 def _check_env_names(names: list[str], where: str) -> None:
@@ -180,8 +306,9 @@ def _check_env_names(names: list[str], where: str) -> None:
 
 
 class PoolAutoscaling(_Model):
-    # A floor of one: a pool at zero has no pods, so no metrics, so nothing would scale it back.
-    min_replicas: Annotated[int, Field(ge=1)] = 1
+    # 0 only with KEDA (autoscaling.mode keda): the gateway holds requests and its held-request
+    # gauge wakes the pool; with no pods there is no engine metric to scale back up on.
+    min_replicas: Annotated[int, Field(ge=0)] = 1
     max_replicas: Annotated[int, Field(ge=1)] = 4
 
     @pydantic.model_validator(mode="after")
@@ -190,6 +317,9 @@ class PoolAutoscaling(_Model):
             raise ValueError(
                 f"minReplicas ({self.min_replicas}) must not exceed maxReplicas ({self.max_replicas})")
         return self
+
+
+ENGINE_CONTAINER = "engine"
 
 
 class PodTemplateOverride(_Model):
@@ -207,12 +337,21 @@ class PodTemplateOverride(_Model):
 
     @pydantic.field_validator("spec")
     @classmethod
-    def _no_owned_env(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _no_owned_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
         for container in value.get("containers") or []:
-            if isinstance(container, dict):
-                env = [e.get("name") for e in container.get("env") or [] if isinstance(e, dict)]
-                _check_env_names([n for n in env if isinstance(n, str)],
-                                 f"podTemplate container {container.get('name')!r} env")
+            if not isinstance(container, dict):
+                continue
+            name = container.get("name")
+            env = [e.get("name") for e in container.get("env") or [] if isinstance(e, dict)]
+            _check_env_names([n for n in env if isinstance(n, str)], f"podTemplate container {name!r} env")
+            if name == ENGINE_CONTAINER:
+                # The operator renders the engine's command line from the spec: an override would
+                # silently replace every flag it manages (ports, parallelism, KV events, ...).
+                for field, instead in (("command", "engine.kind and engine.image"),
+                                       ("args", "engine.extraArgs"), ("image", "engine.image")):
+                    if field in container:
+                        raise ValueError(f"podTemplate.spec.containers[{ENGINE_CONTAINER}].{field} is owned "
+                                         f"by the operator: use {instead}")
         return value
 
 
@@ -223,6 +362,7 @@ class PoolSpec(_Model):
     tolerations: tuple[dict[str, Any], ...] = ()
     pod_template: PodTemplateOverride = PodTemplateOverride()
     autoscaling: PoolAutoscaling | None = None
+    engine: EngineOverride = EngineOverride()
 
 
 class KvTransferSpec(_Model):
@@ -252,37 +392,60 @@ class EndpointPickerTLS(_Model):
         return self
 
 
+class PluginEntry(_Model):
+    """One plugin of a custom profile, as the router's EndpointPickerConfig names it: a filter, a
+    scorer (with a weight) or the picker, with the plugin's own parameters."""
+
+    type: Annotated[str, Field(min_length=1, max_length=128)]
+    name: Annotated[str | None, Field(min_length=1, max_length=128)] = None
+    weight: Annotated[float | None, Field(ge=0)] = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        return self.name or self.type
+
+
 class RoutingSpec(_Model):
     # Which endpoint picker serves the InferencePool: kvflow's router, or GIE's EPP image.
     picker: Literal["kvflow", "gie"] = "kvflow"
     gie_image: Annotated[str, Field(alias="gieImage", min_length=1)] = GIE_EPP_IMAGE
     replicas: Annotated[int, Field(ge=1, le=16)] = 1
-    scheduler_profile: Literal["pd", "prefix", "load", "random"] = "pd"
-    scorer_weights: dict[str, Annotated[float, Field(ge=0)]] = Field(
-        default_factory=lambda: {"prefix": 2.0, "load": 1.0})
+    # A built-in router profile; routing.plugins instead defines one of the service's own.
+    profile: Literal["default", "prefix-precise", "prefix-approx", "least-load", "round-robin"] | None = None
+    plugins: tuple[PluginEntry, ...] = ()
     pd_threshold: Annotated[int, Field(ge=0)] = 256
     kv_events: bool = True
     hash_seed: Annotated[str, Field(pattern=r"^[0-9]{1,10}$")] = "0"
     failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
     tls: EndpointPickerTLS = EndpointPickerTLS()
-
-    @pydantic.field_validator("scorer_weights")
-    @classmethod
-    def _known_scorers(cls, value: dict[str, float]) -> dict[str, float]:
-        unknown = sorted(set(value) - KNOWN_SCORERS)
-        if unknown:
-            raise ValueError(
-                f"unknown scorer(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_SCORERS))}")
-        if value and not any(weight > 0 for weight in value.values()):
-            raise ValueError("at least one scorer weight must be positive")
-        return value
+    scheduler_profile: str | None = None  # replaced: refused with a message
+    scorer_weights: dict[str, Any] | None = None  # replaced: refused with a message
 
     @pydantic.model_validator(mode="after")
-    def _gie_checks_no_client_certificates(self) -> RoutingSpec:
+    def _checks(self) -> RoutingSpec:
+        _replaced(self.scheduler_profile, "routing.schedulerProfile",
+                  "routing.profile (default, prefix-precise, prefix-approx, least-load, round-robin); "
+                  "P/D is on when prefill.replicas >= 1")
+        _replaced(self.scorer_weights, "routing.scorerWeights",
+                  "routing.plugins (filters, scorers with weights, a picker) or routing.profile")
+        if self.profile is not None and self.plugins:
+            raise ValueError("routing.profile and routing.plugins both choose the profile: set one")
+        refs = [p.ref for p in self.plugins]
+        duplicates = sorted({r for r in refs if refs.count(r) > 1})
+        if duplicates:
+            raise ValueError(f"routing.plugins names {', '.join(duplicates)} more than once (give each a name)")
         if self.picker == "gie" and self.tls.client_ca_secret_name:
             raise ValueError("routing.tls.clientCASecretName needs routing.picker kvflow: "
                              "GIE's EPP does not check client certificates")
         return self
+
+    @property
+    def profile_name(self) -> str:
+        """The router profile requests get: the built-in one named, or the custom one."""
+        if self.plugins:
+            return CUSTOM_PROFILE
+        return self.profile or "default"
 
 
 class ParentRef(_Model):
@@ -301,6 +464,9 @@ class GatewaySpec(_Model):
     batch_claim: Annotated[str, Field(min_length=1)] | None = None
     """An existing PersistentVolumeClaim for the Batch API's database and files; without one they
     live in an emptyDir and go with the pod. Replicas share it on one node (docs/batch.md)."""
+    # How long the gateway holds a request while its pool has no ready pod (scaled to zero, or
+    # the first pod still loading the model) before it answers 503.
+    hold_seconds: Annotated[float, Field(ge=0, le=3600)] = 600.0
 
     @pydantic.model_validator(mode="after")
     def _route_needs_parent(self) -> GatewaySpec:
@@ -318,7 +484,7 @@ class AutoscalingSpec(_Model):
 
 
 class RolloutSpec(_Model):
-    pool_order: tuple[PoolRole, PoolRole] = ("prefill", "decode")
+    pool_order: tuple[SpecPool, SpecPool] = ("prefill", "decode")
     max_surge: Annotated[int, Field(ge=0)] = 1
     # 0 keeps every replica serving during a rollout, but a cluster without a spare GPU never
     # schedules the surge pod: allow 1 there, and the rollout replaces pods in place.
@@ -332,7 +498,7 @@ class RolloutSpec(_Model):
 
     @pydantic.field_validator("pool_order")
     @classmethod
-    def _both_pools(cls, value: tuple[PoolRole, PoolRole]) -> tuple[PoolRole, PoolRole]:
+    def _both_pools(cls, value: tuple[SpecPool, SpecPool]) -> tuple[SpecPool, SpecPool]:
         if sorted(value) != ["decode", "prefill"]:
             raise ValueError("rollout.poolOrder must name prefill and decode once each")
         return value
@@ -345,15 +511,32 @@ class LifecycleSpec(_Model):
 
 
 GIE_NO_PD = ("routing.picker gie does no prefill/decode disaggregation: set prefill.replicas to 0 "
-             "(no prefill autoscaling) and routing.schedulerProfile to prefix, load or random")
+             "(no prefill autoscaling)")
 GIE_NO_STANDALONE = ("routing.picker gie needs gateway.mode httpRoute or none: the standalone gateway "
                      "routes with kvflow's router built in, and GIE's EPP answers an Inference Extension Gateway")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Engine:
+    """The engine one pool runs: the shared ``engine`` with the pool's ``engine`` override applied."""
+
+    spec: EngineSpec
+    parallelism: Parallelism
+    extra_args: tuple[str, ...]
+    env: tuple[dict[str, Any], ...]
+    accelerator: str | None  # None: no accelerator resource
+    max_model_len: int | None
+    kv_offloading_size: float | None  # GiB
+
+    @property
+    def multi_node(self) -> bool:
+        return self.parallelism.nodes > 1
 
 
 class LLMServiceSpec(_Model):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
-    prefill: PoolSpec = PoolSpec()
+    prefill: PoolSpec = PoolSpec(replicas=0)
     decode: PoolSpec = PoolSpec()
     kv_transfer: KvTransferSpec = KvTransferSpec()
     routing: RoutingSpec = RoutingSpec()
@@ -366,13 +549,24 @@ class LLMServiceSpec(_Model):
     def _cross_field(self) -> LLMServiceSpec:
         if self.decode.replicas < 1 and self.autoscaling.mode == "none":
             raise ValueError("decode.replicas must be at least 1: decode serves every request")
-        if self.routing.scheduler_profile == "pd" and self.prefill.replicas == 0 \
-                and self.autoscaling.mode == "none":
-            raise ValueError("routing.schedulerProfile pd needs prefill.replicas >= 1")
         if self.autoscaling.mode != "none":
-            for role in POOL_ROLES:  # an aggregated service (prefill.replicas 0) scales decode only
-                if self.pool(role).autoscaling is None and (role == "decode" or self.prefill.replicas > 0):
-                    raise ValueError(f"autoscaling.mode {self.autoscaling.mode} needs {role}.autoscaling")
+            for name in SPEC_POOLS:  # an aggregated service (prefill.replicas 0) scales decode only
+                if self.section(name).autoscaling is None and (name == "decode" or self.prefill.replicas > 0):
+                    raise ValueError(f"autoscaling.mode {self.autoscaling.mode} needs {name}.autoscaling")
+        for name in SPEC_POOLS:
+            bounds = self.section(name).autoscaling
+            if bounds is not None and bounds.min_replicas == 0 and self.autoscaling.mode != "keda":
+                raise ValueError(f"{name}.autoscaling.minReplicas 0 needs autoscaling.mode keda: only KEDA "
+                                 "wakes a pool with no pods (on the gateway's held requests)")
+        if self.model.scheme in OBJECT_STORES and self.engine.kind == "vllm" and not self.model.tokenizer:
+            raise ValueError(f"model.tokenizer is needed with an {self.model.scheme}:// source: the router "
+                             "reads the tokenizer from hf://, pvc:// or oci://")
+        for role in self.roles:
+            engine = self.engine_for(role)
+            if engine.multi_node and self.engine.kind != "vllm":
+                raise ValueError(f"{self.section_name(role)}: a multi-node pool (parallelism.data / "
+                                 "parallelism.dataLocal > 1) needs engine.kind vllm")
+            self._check_devices(role, engine)
         if self.routing.picker == "gie":
             if self.disaggregated:
                 raise ValueError(GIE_NO_PD)
@@ -380,14 +574,78 @@ class LLMServiceSpec(_Model):
                 raise ValueError(GIE_NO_STANDALONE)
         return self
 
+    def _check_devices(self, role: PoolRole, engine: Engine) -> None:
+        pool = self.section(self.section_name(role))
+        named = accelerators(pool.resources)
+        where = self.section_name(role)
+        if engine.accelerator is None:
+            if named:
+                raise ValueError(f"{where}.resources ask for {', '.join(named)} but the engine's accelerator is none")
+            return
+        others = [n for n in named if n != engine.accelerator]
+        if others:
+            raise ValueError(f"{where}.resources ask for {', '.join(others)} but the engine's accelerator is "
+                             f"{engine.accelerator} (engine.accelerator)")
+        for kind in ("limits", "requests"):
+            asked = (pool.resources.get(kind) or {}).get(engine.accelerator)
+            if asked is not None and str(asked) != str(engine.parallelism.devices):
+                raise ValueError(
+                    f"{where}.resources.{kind} gives {asked} {engine.accelerator} per pod, but its parallelism "
+                    f"needs {engine.parallelism.devices} (tensor {engine.parallelism.tensor} x pipeline "
+                    f"{engine.parallelism.pipeline} x dataLocal {engine.parallelism.local_ranks})")
+
+    def section(self, name: SpecPool) -> PoolSpec:
+        return self.prefill if name == "prefill" else self.decode
+
     def pool(self, role: PoolRole) -> PoolSpec:
-        return self.prefill if role == "prefill" else self.decode
+        """The spec section of a rendered pool (``both`` is the decode section)."""
+        return self.section(self.section_name(role))
+
+    @staticmethod
+    def section_name(role: PoolRole) -> SpecPool:
+        return "prefill" if role == "prefill" else "decode"
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill.replicas > 0 or (
             self.prefill.autoscaling is not None and self.autoscaling.mode != "none"
             and self.prefill.autoscaling.max_replicas > 0)
+
+    @property
+    def roles(self) -> tuple[PoolRole, ...]:
+        """The pools rendered: one aggregated pool, or a prefill and a decode pool."""
+        return ("prefill", "decode") if self.disaggregated else ("both",)
+
+    def engine_for(self, role: PoolRole) -> Engine:
+        shared = self.engine
+        override = self.pool(role).engine
+        changes = override.parallelism.model_dump(exclude_none=True)
+        try:
+            parallelism = Parallelism.model_validate({**shared.parallelism.model_dump(), **changes})
+        except pydantic.ValidationError as exc:
+            raise ValueError(f"{self.section_name(role)}.engine.parallelism: {_describe(exc)}") from None
+        env = {e["name"]: dict(e) for e in shared.env} | {e["name"]: dict(e) for e in override.env}
+        return Engine(
+            spec=shared, parallelism=parallelism, extra_args=shared.extra_args + override.extra_args,
+            env=tuple(env.values()), accelerator=self._accelerator(role, override.accelerator or shared.accelerator),
+            max_model_len=override.max_model_len or shared.max_model_len,
+            kv_offloading_size=override.kv_offloading_size or shared.kv_offloading_size,
+        )
+
+    def _accelerator(self, role: PoolRole, asked: str | None) -> str | None:
+        if asked is not None:
+            return None if asked == "none" else asked
+        named = accelerators(self.pool(role).resources)
+        if named:
+            return named[0]
+        return DEFAULT_ACCELERATOR if self.engine.kind == "vllm" else None
+
+
+def accelerators(resources: dict[str, Any]) -> list[str]:
+    """The extended resources (GPUs, TPUs, ...) a pool's resources name."""
+    found = {name for kind in ("limits", "requests") for name in (resources.get(kind) or {})
+             if name not in PLAIN_RESOURCES and not name.startswith("hugepages-")}
+    return sorted(found)
 
 
 class LLMService(_Model):
@@ -402,7 +660,7 @@ class LLMService(_Model):
     @pydantic.field_validator("name")
     @classmethod
     def _dns_name(cls, value: str) -> str:
-        # Children append "-prefill", "-gateway", ...: keep the result a DNS label (63).
+        # Children append "-aggregated", "-gateway", ...: keep the result a DNS label (63).
         if not _DNS_LABEL_RE.match(value) or len(value) > 40:
             raise ValueError(f"name {value!r} must be a DNS label of at most 40 characters")
         return value

@@ -8,12 +8,13 @@ from typing import Any, Literal
 
 from kvflow.operator import names
 from kvflow.operator.health import Problem, summary
-from kvflow.operator.plan import Key, Plan
-from kvflow.operator.render_pools import pool_replicas, rendered_roles
+from kvflow.operator.plan import Key, Plan, available
+from kvflow.operator.render_pools import pool_replicas, rendered_roles, workload_kind
 from kvflow.operator.spec import LLMService, PoolRole
 
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"]
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsReachable")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsReachable", "AggregatedPoolReady",
+                   "PrefillPoolReady", "DecodePoolReady")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -24,16 +25,38 @@ class Event:
 
 
 def pool_counts(svc: LLMService, role: PoolRole, observed: Mapping[Key, Any]) -> dict[str, Any]:
-    have = observed.get(("apps/v1", "Deployment", names.child_name(svc, role))) or {}
+    have = observed.get((*workload_kind(svc, role), names.child_name(svc, role))) or {}
     spec, status = have.get("spec") or {}, have.get("status") or {}
     desired = int(spec.get("replicas", pool_replicas(svc, role) or 0))
     ready = int(status.get("readyReplicas", 0))
     return {
-        "desired": desired, "ready": ready,
+        "role": role, "desired": desired, "ready": ready,
         "updated": int(status.get("updatedReplicas", 0)),
-        "available": int(status.get("availableReplicas", 0)),
+        "available": available(have),
         "summary": f"{ready}/{desired}",
     }
+
+
+POOL_CONDITION = {"prefill": "PrefillPoolReady", "decode": "DecodePoolReady", "both": "AggregatedPoolReady"}
+
+
+def _pool_condition(role: PoolRole, counts: Mapping[str, Any], problems: Sequence[Problem], stuck: str | None,
+                    generation: int, now: str, previous: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One pool's condition: ready, or why not (image pull, crash loop, unschedulable, stuck engine)."""
+    component = names.component_label(role)
+    mine = [p for p in problems if p.component == component]
+    ready = counts["ready"] >= counts["desired"] and counts["available"] >= counts["desired"]
+    if mine:
+        reason, message = mine[0].reason, "; ".join(p.describe() for p in mine)
+    elif stuck:
+        reason, message = "StuckEngine", stuck
+    elif counts["desired"] == 0:
+        reason, message = "ScaledToZero", f"{component} pool has no replicas (the gateway holds requests)"
+    elif ready:
+        reason, message = "Ready", f"{component} pool {counts['summary']} ready"
+    else:
+        reason, message = "Starting", f"{component} pool {counts['summary']} ready"
+    return _condition(POOL_CONDITION[role], ready and not mine, reason, message, generation, now, previous)
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str, generation: int, now: str,
@@ -49,13 +72,15 @@ def _condition(kind: str, ok: bool, reason: str, message: str, generation: int, 
 
 def compute(svc: LLMService, plan: Plan, observed: Mapping[Key, Any], *, now: str,
             previous: Mapping[str, Any], error: str | None = None, problems: Sequence[Problem] = (),
-            unreachable: Mapping[PoolRole, int] | None = None) -> dict[str, Any]:
+            unreachable: Mapping[PoolRole, int] | None = None,
+            stuck: Mapping[PoolRole, str] | None = None) -> dict[str, Any]:
     """The status after a reconcile round.
 
     ``error`` is an apply failure, if any; ``problems`` are pods that will not come up by
     themselves (image pulls, crash loops, unschedulable, a rollout past its deadline); both make
     the service ``Degraded``, with a message that names the pool and the reason.
-    ``unreachable`` holds the pools whose pods the operator could not scrape (rounds in a row).
+    ``unreachable`` holds the pools whose pods the operator could not scrape (rounds in a row);
+    ``stuck`` what the operator found of stuck engines this round, per pool.
     """
     pools = {role: pool_counts(svc, role, observed) for role in rendered_roles(svc)}
     all_ready = all(p["ready"] >= p["desired"] and p["available"] >= p["desired"] for p in pools.values())
@@ -76,7 +101,7 @@ def compute(svc: LLMService, plan: Plan, observed: Mapping[Key, Any], *, now: st
         progress_msg = f"rolling out pool {rolling}" + (f"; {', '.join(held)} waits" if held else "")
     else:
         progress_msg = "waiting for replicas to become ready" if progressing else "all pools up to date"
-    ready_msg = ", ".join(f"{role} {p['summary']}" for role, p in pools.items())
+    ready_msg = ", ".join(f"{names.component_label(role)} {p['summary']}" for role, p in pools.items())
     conditions = [
         _condition("Ready", all_ready and not error, "PoolsReady" if all_ready else "PoolsNotReady",
                    ready_msg, svc.generation, now, prev_conditions),
@@ -84,17 +109,20 @@ def compute(svc: LLMService, plan: Plan, observed: Mapping[Key, Any], *, now: st
             "ScalingUp" if progressing else "Complete"), progress_msg, svc.generation, now, prev_conditions),
         _degraded(error, diagnosis, svc.generation, now, prev_conditions),
     ]
+    conditions += [_pool_condition(role, counts, problems, (stuck or {}).get(role), svc.generation, now,
+                                   prev_conditions) for role, counts in pools.items()]
     if svc.spec.lifecycle.stuck_detection or svc.spec.autoscaling.mode == "operator":
         conditions.append(_reachable(unreachable or {}, svc.generation, now, prev_conditions))
     out: dict[str, Any] = {
         "observedGeneration": svc.generation,
         "phase": phase,
         "model": svc.spec.model.name,
+        "profile": svc.spec.routing.profile_name,
+        "mode": "disaggregated" if svc.spec.disaggregated else "aggregated",
         "conditions": conditions,
         "rollout": {"pool": rolling, "held": [p.role for p in plan.pools.values() if p.held]},
-        "prefill": pools.get("prefill", {"desired": 0, "ready": 0, "updated": 0, "available": 0,
-                                         "summary": "0/0"}),
-        "decode": pools["decode"],
+        "pools": {names.component_label(role): counts for role, counts in pools.items()},
+        "ready": ready_msg,  # the printer column: "aggregated 2/2" or "prefill 1/1, decode 2/2"
     }
     if svc.spec.gateway.mode == "standalone":
         out["gatewayURL"] = (f"http://{names.child_name(svc, 'gateway')}.{svc.namespace}.svc:"

@@ -43,6 +43,11 @@ def _volume_name(prefix: str, key: str) -> str:
     return name if len(name) <= 63 else f"{name[:54]}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
+def cache_claim_name(svc: LLMService) -> str:
+    """The claim the operator creates for ``model.cacheSize``."""
+    return f"{svc.name}-model-cache"
+
+
 def claim_dir(claim: str) -> str:
     return f"{MODELS_DIR}/{claim}"
 
@@ -97,8 +102,8 @@ def engine_storage(svc: LLMService) -> Storage:
                   ({"name": "shm", "mountPath": "/dev/shm"},))
     storage = shm + _source_storage(model.source, "model", f"{MODELS_DIR}/oci", _model_claim(svc))
     if model.scheme == "hf":
-        cache: Obj = ({"persistentVolumeClaim": {"claimName": model.cache_pvc}} if model.cache_pvc
-                      else {"emptyDir": {}})
+        claim = model.cache_pvc or (cache_claim_name(svc) if model.cache_size else None)
+        cache: Obj = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
         storage += Storage(({"name": "model-cache", **cache},), ({"name": "model-cache", "mountPath": HF_CACHE_DIR},))
     for index, adapter in enumerate(svc.spec.model.lora_adapters):
         storage += _source_storage(adapter.source, f"lora-{index}", adapter_dir(adapter.source), _model_claim(svc))
@@ -149,6 +154,8 @@ def tokenizer_storage(svc: LLMService) -> tuple[Storage, str]:
     }
     if env:
         fetch["env"] = env
+    if model.credentials_secret and source == model.source:  # a gated model's token
+        fetch["envFrom"] = [{"secretRef": {"name": model.credentials_secret}}]
     return Storage(({"name": "tokenizer", "emptyDir": {"sizeLimit": "256Mi"}},),
                    ({"name": "tokenizer", "mountPath": TOKENIZER_DIR, "readOnly": True},), (fetch,)), TOKENIZER_DIR
 

@@ -111,11 +111,23 @@ def validate(obj: dict[str, Any]) -> None:
     if (obj["apiVersion"], obj["kind"]) in CRD_SCHEMAS:
         errors = crd_errors(obj)
         assert not errors, f"{obj['kind']} {obj['metadata']['name']}: {errors}"
+        for name, template in embedded_pod_templates(obj):  # upstream embeds core's PodTemplateSpec
+            validate({"apiVersion": "v1", "kind": "PodTemplate",
+                      "metadata": {"name": f"{obj['metadata']['name']}-{name}"}, "template": template})
         return
     for version in K8S_VERSIONS:
         errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
                   for e in _builtin_validator(version, obj["apiVersion"], obj["kind"]).iter_errors(obj)]
         assert not errors, f"{obj['kind']} {obj['metadata']['name']} (k8s {version}, strict): {errors}"
+
+
+def embedded_pod_templates(obj: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The core PodTemplateSpecs a CRD-backed object carries (a LeaderWorkerSet's two)."""
+    if obj["kind"] != "LeaderWorkerSet":
+        return []
+    lwt = obj["spec"]["leaderWorkerTemplate"]
+    return [(name, lwt[field]) for name, field in (("leader", "leaderTemplate"), ("worker", "workerTemplate"))
+            if field in lwt]
 
 
 @functools.cache

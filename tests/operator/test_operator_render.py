@@ -63,7 +63,7 @@ def test_cli_render_prints_the_same_objects(sample: str, capsys: pytest.CaptureF
 
 def test_cli_render_rejects_a_bad_file(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     body = load("sim.yaml")
-    body["spec"]["model"]["source"] = "s3://bucket/model"
+    body["spec"]["model"]["source"] = "ftp://host/model"
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(body))
     assert main(["render", str(path)]) == 2
@@ -79,13 +79,19 @@ VARIANTS = {
     "hpa": {"autoscaling": {"mode": "hpa"}, "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
             "decode": {"autoscaling": {"minReplicas": 2, "maxReplicas": 8}}},
     "keda": {"autoscaling": {"mode": "keda", "targetQueueDepth": 2.5},
-             "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
-             "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 8}}},
+             "decode": {"autoscaling": {"minReplicas": 0, "maxReplicas": 8}}},
+    "s3-model": {"model": {"name": "m", "source": "s3://bucket/llama", "tokenizer": "hf://o/llama",
+                           "credentialsSecret": "s3-creds"}},
+    "model-cache": {"model": {"cacheSize": "80Gi", "cacheStorageClass": "nfs"}},
+    "amd": {"engine": {"accelerator": "amd.com/gpu", "parallelism": {"tensor": 2}}},
+    "offloading": {"engine": {"kvOffloadingGiB": 64}},
+    "plugins": {"routing": {"plugins": [{"type": "healthy-filter"}, {"type": "ttft-scorer", "weight": 3},
+                                        {"type": "lora-affinity-scorer", "weight": 1}, {"type": "max-score-picker"}]}},
     "pvc-model": {"model": {"name": "m", "source": "pvc://models/llama/8b"}},
     "oci-model": {"model": {"name": "m", "source": "oci://registry.example.com/models/llama:8b"}},
     "http-route": {"gateway": {"mode": "httpRoute", "parentRef": {"name": "gw", "sectionName": "http"}}},
     "no-gateway": {"gateway": {"mode": "none"}},
-    "aggregated": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}},
+    "disaggregated": {"prefill": {"replicas": 1}, "routing": {"profile": "prefix-precise"}},
 }
 
 
@@ -113,6 +119,7 @@ def test_every_variant_renders_valid_objects(variant: str) -> None:
     assert ("HorizontalPodAutoscaler" in kinds) == (variant == "hpa")
     assert ("ScaledObject" in kinds) == (variant == "keda")
     assert ("HTTPRoute" in kinds) == (variant == "http-route")
+    assert ("PersistentVolumeClaim" in kinds) == (variant == "model-cache")
     if variant in ("hpa", "keda"):  # the autoscaler owns replicas: server-side apply must not
         assert all("replicas" not in o["spec"] for o in objs
                    if o["kind"] == "Deployment" and o["metadata"]["labels"].get(names.LABEL_ENGINE))
@@ -130,21 +137,25 @@ def test_pd_engine_command_line_and_environment() -> None:
         pod = by_kind(objs, "Deployment", f"llama-pd-{role}")["spec"]["template"]
         engine = pod["spec"]["containers"][0]
         args = engine["args"]
-        assert engine["command"] == ["vllm", "serve"] and args[0] == "meta-llama/Llama-3.1-8B-Instruct"
+        assert engine["command"] == ["vllm", "serve"] and args[0] == "meta-llama/Llama-3.1-70B-Instruct"
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
         # a failed KV pull is computed again on the decode pod, not a failed request
         assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
         events = json.loads(args[args.index("--kv-events-config") + 1])
         assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
                           "endpoint": "tcp://*:5557",  # vLLM binds; the router connects to pods
-                          "topic": "kv@$(POD_NAME)@llama-3.1-8b-instruct"}
+                          "topic": "kv@$(POD_NAME)@llama-3.1-70b-instruct"}
         env = env_of(engine)
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
         assert env["PYTHONHASHSEED"] == env_of(router)["PYTHONHASHSEED"] == "42"
         assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
         assert engine["lifecycle"]["preStop"] and pod["spec"]["terminationGracePeriodSeconds"] == 120
-        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 2
+        # each pool its own parallelism, and the accelerators it needs
+        tensor = {"prefill": 2, "decode": 4}[role]
+        assert args[args.index("--tensor-parallel-size") + 1] == str(tensor)
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == tensor
+        assert ("--max-num-batched-tokens=16384" in args) == (role == "prefill")
         assert pod["metadata"]["labels"][names.LABEL_ROLE] == role
     strict_body = merged(load("pd-nixl.yaml"), {"spec": {"kvTransfer": {"loadFailurePolicy": "fail"}}})
     assert crd_errors(strict_body) == []
@@ -159,15 +170,16 @@ def test_inference_pool_points_at_the_router() -> None:
     router_svc = by_kind(objs, "Service", "sim-llm-router")
     assert pool["endpointPickerRef"]["name"] == router_svc["metadata"]["name"]
     assert pool["endpointPickerRef"]["port"]["number"] in {p["port"] for p in router_svc["spec"]["ports"]}
-    engine_labels = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]["metadata"]["labels"]
+    engine_labels = by_kind(objs, "Deployment", "sim-llm-aggregated")["spec"]["template"]["metadata"]["labels"]
     assert pool["selector"]["matchLabels"].items() <= engine_labels.items()
     assert pool["targetPorts"] == [{"number": 8000}]
 
 
 def test_sim_engine_runs_kvflow_sim() -> None:
-    objs = render(with_uid(load("sim.yaml")), IMAGES)
-    engine = by_kind(objs, "Deployment", "sim-llm-prefill")["spec"]["template"]["spec"]["containers"][0]
-    assert engine["image"] == IMAGES.kvflow and engine["command"] == ["kvflow"]
+    objs = render(with_uid(load("sim-pd.yaml")), IMAGES)
+    engine = by_kind(objs, "Deployment", "sim-pd-prefill")["spec"]["template"]["spec"]["containers"][0]
+    # simulated P/D moves KV with real NIXL: the image built with it
+    assert engine["image"] == IMAGES.kvflow_nixl and engine["command"] == ["kvflow"]
     assert engine["args"][:8] == ["sim", "--host", "0.0.0.0", "--port", "8000", "--role", "prefill", "--model"]
     events = json.loads(engine["args"][engine["args"].index("--kv-events-config") + 1])
     assert events["endpoint"] == "tcp://*:5557" and {"name": "kv-events", "containerPort": 5557,
@@ -182,7 +194,7 @@ def test_pod_template_override_merges_by_name() -> None:
         "containers": [{"name": "engine", "env": [{"name": "EXTRA", "value": "1"}]},
                        {"name": "sidecar", "image": "busybox"}],
         "priorityClassName": "high"}}
-    pod = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-decode")["spec"]["template"]["spec"]
+    pod = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-aggregated")["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["engine", "sidecar"]
     assert pod["containers"][0]["args"][0] == "sim"  # amended, not replaced
     assert pod["containers"][0]["env"][-1] == {"name": "EXTRA", "value": "1"}
@@ -214,25 +226,27 @@ def config_file(objs: list[dict[str, Any]], name: str, key: str) -> dict[str, An
     return data
 
 
-@pytest.mark.parametrize("variant", ["sim", "aggregated", "load", "random", "no-kv-events", "lora"])
+@pytest.mark.parametrize("variant", ["sim", "disaggregated", "load", "random", "no-kv-events", "lora", "plugins"])
 def test_router_and_gateway_configs_load_in_the_components(variant: str) -> None:
     from kvflow.gateway.config import GatewayConfig
     from kvflow.router.config import load_config
 
     body = load("sim.yaml")
-    changes = {"aggregated": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}},
-               "load": {"routing": {"schedulerProfile": "load"}},
-               "random": {"routing": {"schedulerProfile": "random"}},
-               "no-kv-events": {"routing": {"kvEvents": False, "scorerWeights": {"prefix": 1, "queueDepth": 1,
-                                                                              "kvCacheUtilization": 1}}},
-               "lora": {"model": {"loraAdapters": [{"name": "sql", "source": "hf://o/sql"}]},
-                        "routing": {"scorerWeights": {"prefix": 1, "lora": 1}}}}.get(variant, {})
+    changes = {"disaggregated": {"prefill": {"replicas": 1}},
+               "load": {"routing": {"profile": "least-load"}},
+               "random": {"routing": {"profile": "round-robin"}},
+               "no-kv-events": {"routing": {"kvEvents": False, "profile": "prefix-approx"}},
+               "lora": {"model": {"loraAdapters": [{"name": "sql", "source": "hf://o/sql"}]}},
+               "plugins": {"routing": {"plugins": [
+                   {"type": "model-filter"}, {"type": "precise-prefix-cache-scorer", "weight": 3},
+                   {"type": "queue-scorer", "weight": 1}, {"type": "max-score-picker"}]}}}.get(variant, {})
     body["spec"] = merged(body["spec"], changes)
     objs = render(with_uid(body), IMAGES)
     router = load_config(config_file(objs, "sim-llm-router", "router.yaml"))
     assert router.kubernetes is not None and router.kubernetes.inference_pool == "sim-llm"
     assert router.kubernetes.role_label == names.LABEL_ROLE and router.default_profile in router.profiles
-    assert router.pd_enabled == (variant not in ("aggregated", "load", "random"))
+    assert router.default_profile == {"load": "least-load", "random": "round-robin", "no-kv-events": "prefix-approx",
+                                      "plugins": "custom"}.get(variant, "default")
     gateway = GatewayConfig.model_validate(config_file(objs, "sim-llm-gateway", "gateway.yaml"))
     assert gateway.port == 8080 and [p.model for p in gateway.pools] == ["sim-model"]
 
@@ -253,7 +267,7 @@ def test_command_lines_parse_with_the_components(sample: str) -> None:
     for container in containers(objs, "gateway"):
         assert container["args"][0] == "gateway"
         gateway_parser().parse_args(container["args"][1:])
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "aggregated"):
         for container in containers(objs, role):
             if container["command"] == ["kvflow"] and container["args"][0] == "sim":
                 parsed = sim_parser().parse_args(container["args"][1:])
@@ -266,11 +280,11 @@ def test_command_lines_parse_with_the_components(sample: str) -> None:
 
 @pytest.mark.parametrize("mode", ["standalone", "httpRoute"])
 def test_decode_routing_sidecar_only_behind_an_external_gateway(mode: str) -> None:
-    body = load("sim.yaml")
+    body = load("sim-pd.yaml")
     body["spec"]["gateway"] = {"mode": mode, "parentRef": {"name": "gw"}} if mode == "httpRoute" else {"mode": mode}
     objs = render(with_uid(body), IMAGES)
-    decode = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]
-    prefill = by_kind(objs, "Deployment", "sim-llm-prefill")["spec"]["template"]
+    decode = by_kind(objs, "Deployment", "sim-pd-decode")["spec"]["template"]
+    prefill = by_kind(objs, "Deployment", "sim-pd-prefill")["spec"]["template"]
     names_ = [c["name"] for c in decode["spec"]["containers"]]
     engine = decode["spec"]["containers"][0]
     if mode == "httpRoute":  # llm-d's layout: the sidecar takes the pool's port, the engine 8200
@@ -284,7 +298,7 @@ def test_decode_routing_sidecar_only_behind_an_external_gateway(mode: str) -> No
     else:
         assert names_ == ["engine"] and engine["ports"][0]["containerPort"] == 8000
     assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
-    assert by_kind(objs, "InferencePool", "sim-llm")["spec"]["targetPorts"] == [{"number": 8000}]
+    assert by_kind(objs, "InferencePool", "sim-pd")["spec"]["targetPorts"] == [{"number": 8000}]
 
 
 @pytest.mark.parametrize("tls", [{}, {"mode": "Secret", "secretName": "epp-tls"},
@@ -294,7 +308,7 @@ def test_router_serves_like_the_inference_extension_epp(tls: dict[str, Any]) -> 
     from kvflow.router.cli import parse_args as router_parse
 
     body = load("sim.yaml")
-    body["spec"]["routing"]["tls"] = tls
+    body["spec"]["routing"] = {"tls": tls}
     assert crd_errors(body) == []
     objs = render(with_uid(body), IMAGES)
     pod = by_kind(objs, "Deployment", "sim-llm-router")["spec"]["template"]["spec"]
@@ -355,16 +369,16 @@ def test_sim_engines_and_their_router_use_the_builtin_tokenizer() -> None:
     objs = render(with_uid(load("sim.yaml")), IMAGES)
     router = by_kind(objs, "Deployment", "sim-llm-router")["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][router["args"].index("--tokenizer") + 1] == "builtin"
-    engine = by_kind(objs, "Deployment", "sim-llm-decode")["spec"]["template"]["spec"]["containers"][0]
+    engine = by_kind(objs, "Deployment", "sim-llm-aggregated")["spec"]["template"]["spec"]["containers"][0]
     assert "--tokenizer" not in engine["args"]
 
 
 def test_engine_pods_carry_their_revision_and_llm_d_role() -> None:
     def labels(body: dict[str, Any], role: str) -> dict[str, str]:
-        pod = by_kind(render(with_uid(body), IMAGES), "Deployment", f"sim-llm-{role}")["spec"]["template"]
-        return dict(pod["metadata"]["labels"])
+        pod = by_kind(render(with_uid(body), IMAGES), "Deployment", f"{body['metadata']['name']}-{role}")
+        return dict(pod["spec"]["template"]["metadata"]["labels"])
 
-    body = load("sim.yaml")
+    body = load("sim-pd.yaml")
     prefill, decode = labels(body, "prefill"), labels(body, "decode")
     assert prefill[names.LABEL_REVISION] == decode[names.LABEL_REVISION]  # one revision, both pools
     assert (prefill["llm-d.ai/role"], decode["llm-d.ai/role"]) == ("prefill", "decode")
@@ -375,8 +389,9 @@ def test_engine_pods_carry_their_revision_and_llm_d_role() -> None:
     # what a decode pod does when a KV pull fails is no revision change either
     strict = merged(body, {"spec": {"kvTransfer": {"loadFailurePolicy": "fail"}}})
     assert labels(strict, "decode")[names.LABEL_REVISION] == decode[names.LABEL_REVISION]
-    aggregated = merged(body, {"spec": {"prefill": {"replicas": 0}, "routing": {"schedulerProfile": "prefix"}}})
-    assert labels(aggregated, "decode")["llm-d.ai/role"] == "both"
+    aggregated = labels(load("sim.yaml"), "aggregated")  # one pool, named and labelled for what it is
+    assert aggregated["llm-d.ai/role"] == aggregated[names.LABEL_ROLE] == "both"
+    assert aggregated["app.kubernetes.io/component"] == "aggregated"
     # The selector labels stay the operator's whatever the pod template says.
     assert names.selector_labels(with_uid(body), "decode").items() <= decode.items()
 
@@ -388,7 +403,7 @@ def test_a_named_volume_in_the_pod_template_replaces_the_rendered_one() -> None:
         "containers": [{"name": "engine", "env": [{"name": "HF_TOKEN", "value": "plain"}],
                         "volumeMounts": [{"name": "model-cache", "mountPath": "/models/hf-cache", "subPath": "q"}]}]}}
     assert crd_errors(body) == []
-    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-decode")
+    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-aggregated")
     validate(deployment)
     pod = deployment["spec"]["template"]["spec"]
     cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
@@ -401,11 +416,24 @@ def test_a_named_volume_in_the_pod_template_replaces_the_rendered_one() -> None:
 
 def test_cache_pvc_gives_hub_models_a_persistent_cache() -> None:
     body = load("vllm-gpu.yaml")
+    del body["spec"]["model"]["cacheSize"]
     body["spec"]["model"]["cachePVC"] = "hf-cache"
     assert crd_errors(body) == []
-    pod = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-decode")["spec"]["template"]["spec"]
+    pod = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-aggregated")["spec"]["template"]["spec"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
     assert env_of(pod["containers"][0])["HF_HOME"] == "/models/hf-cache"
+
+
+def test_cache_size_creates_one_claim_every_engine_pod_shares() -> None:
+    objs = render(with_uid(load("vllm-gpu.yaml")), IMAGES)
+    claim = by_kind(objs, "PersistentVolumeClaim", "qwen-chat-model-cache")
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}}}
+    pod = by_kind(objs, "Deployment", "qwen-chat-aggregated")["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "qwen-chat-model-cache"}} in pod["volumes"]
+    # the credentials Secret reaches the engine (and the router's tokenizer fetch) as environment
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    router = by_kind(objs, "Deployment", "qwen-chat-router")["spec"]["template"]["spec"]
+    assert router["initContainers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
 
 
 def test_lora_adapters_are_mounted_where_the_engine_loads_them() -> None:
@@ -418,12 +446,15 @@ def test_lora_adapters_are_mounted_where_the_engine_loads_them() -> None:
         {"name": "hub", "source": "hf://org/hub-lora"}]}
     assert crd_errors(body) == []
     objs = render(with_uid(body), IMAGES)
-    deployment = by_kind(objs, "Deployment", "sim-llm-decode")
+    deployment = by_kind(objs, "Deployment", "sim-llm-aggregated")
     validate(deployment)
     pod = deployment["spec"]["template"]["spec"]
     engine = pod["containers"][0]
-    modules = engine["args"][engine["args"].index("--lora-modules") + 1:]
-    paths = dict(m.split("=", 1) for m in modules[:4])
+    # adapters are loaded at run time (vLLM's /v1/load_lora_adapter), not on the command line:
+    # adding one changes no pod template, so no pod restarts
+    assert "--lora-modules" not in engine["args"] and "--enable-lora" in engine["args"]
+    assert env_of(engine)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    paths = config_file(objs, "sim-llm-router", "router.yaml")["loraPaths"]
     assert paths == {"sql": "/models/models/adapters/sql", "chat": "/models/adapters-pvc/chat",
                      "code": "/models/adapters/registry.example.com_lora_code_1", "hub": "org/hub-lora"}
     mounts = [m["mountPath"] for m in engine["volumeMounts"]]
@@ -432,8 +463,9 @@ def test_lora_adapters_are_mounted_where_the_engine_loads_them() -> None:
     claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert sorted(claims) == ["adapters-pvc", "models"]
     assert any(v.get("image", {}).get("reference") == "registry.example.com/lora/code:1" for v in pod["volumes"])
-    router = config_file(objs, "sim-llm-router", "router.yaml")
-    assert router["loraPaths"] == paths  # vLLM hashes the adapter path into LoRA blocks: the router must agree
+    fewer = merged(body, {"spec": {"model": {"loraAdapters": body["spec"]["model"]["loraAdapters"][:1]}}})
+    fewer_pod = by_kind(render(with_uid(fewer), IMAGES), "Deployment", "sim-llm-aggregated")["spec"]["template"]
+    assert fewer_pod["spec"]["containers"][0]["args"] == engine["args"]
 
 
 @pytest.mark.parametrize("unavailable, surge", [(0, 1), (1, 0), (1, 2)])
@@ -441,7 +473,7 @@ def test_rollout_budget_is_the_specs(unavailable: int, surge: int) -> None:
     body = load("sim.yaml")
     body["spec"]["rollout"] = {"maxUnavailable": unavailable, "maxSurge": surge}
     assert crd_errors(body) == []
-    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-decode")
+    deployment = by_kind(render(with_uid(body), IMAGES), "Deployment", "sim-llm-aggregated")
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": unavailable, "maxSurge": surge}
 
 
@@ -450,7 +482,9 @@ def test_the_router_follows_every_data_parallel_rank() -> None:
     from kvflow.router.config import load_config
 
     body = load("pd-nixl.yaml")
-    body["spec"]["engine"]["dataParallelSize"] = 2
+    body["spec"]["decode"]["engine"]["parallelism"]["data"] = 2
+    body["spec"]["decode"]["resources"]["limits"]["nvidia.com/gpu"] = 8
+    assert crd_errors(body) == []
     objs = render(with_uid(body), IMAGES)
     engine = by_kind(objs, "Deployment", "llama-pd-decode")["spec"]["template"]["spec"]["containers"][0]
     assert [(p["name"], p["containerPort"]) for p in engine["ports"] if p["name"].startswith("kv-events")] == [
@@ -459,7 +493,7 @@ def test_the_router_follows_every_data_parallel_rank() -> None:
     assert config.kv_events_addresses(Endpoint("10.1.2.3", 8000)) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
 
 
-GIE = {"routing": {"picker": "gie", "schedulerProfile": "prefix"}, "prefill": {"replicas": 0},
+GIE = {"routing": {"picker": "gie", "profile": "prefix-approx"}, "prefill": {"replicas": 0},
        "gateway": {"mode": "httpRoute", "parentRef": {"name": "inference-gateway"}}}
 PICKER_KINDS = {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"}
 
@@ -480,7 +514,7 @@ def flag_values(arguments: list[str]) -> dict[str, str]:
 def test_gie_epp_takes_the_pickers_place(tls: dict[str, Any]) -> None:
     """Same name, Service, ports and probes as kvflow's router, so the InferencePool does not change."""
     kvflow_body = load("sim.yaml")
-    kvflow_body["spec"] = merged(kvflow_body["spec"], {**GIE, "routing": {"schedulerProfile": "prefix", "tls": tls}})
+    kvflow_body["spec"] = merged(kvflow_body["spec"], {**GIE, "routing": {"profile": "prefix-approx", "tls": tls}})
     gie_body = copy.deepcopy(kvflow_body)
     gie_body["spec"]["routing"]["picker"] = "gie"
     assert crd_errors(gie_body) == crd_errors(kvflow_body) == []
@@ -518,15 +552,21 @@ def test_gie_epp_takes_the_pickers_place(tls: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("routing, plugins", [
-    ({"schedulerProfile": "prefix"}, {"prefix-cache-scorer": 2, "queue-scorer": 1}),
-    ({"schedulerProfile": "prefix", "scorerWeights": {"prefix": 1.5, "load": 1, "queueDepth": 0.5, "lora": 1}},
+    ({"profile": "prefix-approx"}, {"prefix-cache-scorer": 2, "queue-scorer": 1, "kv-cache-utilization-scorer": 1}),
+    ({"plugins": [{"type": "prefix-cache-scorer", "weight": 1.5}, {"type": "active-request-scorer", "weight": 1},
+                  {"type": "queue-scorer", "weight": 0.5}, {"type": "lora-affinity-scorer", "weight": 1},
+                  {"type": "max-score-picker"}]},
      {"prefix-cache-scorer": 15, "queue-scorer": 15, "lora-affinity-scorer": 10}),
-    ({"schedulerProfile": "load"}, {"queue-scorer": 1, "kv-cache-utilization-scorer": 1}),
-    ({"schedulerProfile": "random"}, {}),
-], ids=["default-weights", "fractional", "load", "random"])
+    ({"profile": "least-load"}, {"queue-scorer": 2, "kv-cache-utilization-scorer": 1}),
+    ({"profile": "round-robin"}, {}),
+    # GIE has no TTFT estimate: the default profile's ttft-scorer becomes the two signals it weighs
+    ({"profile": "default"}, {"prefix-cache-scorer": 4, "queue-scorer": 4, "kv-cache-utilization-scorer": 1,
+                              "lora-affinity-scorer": 1}),
+], ids=["prefix-approx", "fractional", "least-load", "round-robin", "default"])
 def test_gie_config_is_kvflows_scoring_in_gies_plugins(routing: dict[str, Any], plugins: dict[str, int]) -> None:
     body = load("sim.yaml")
-    body["spec"] = merged(body["spec"], {**GIE, "routing": {"picker": "gie", **routing}})
+    body["spec"] = merged(body["spec"], {**GIE, "routing": {"picker": "gie"}})
+    body["spec"]["routing"] = {"picker": "gie", **routing}
     config = config_file(render(with_uid(body), IMAGES), "sim-llm-router", "epp-config.yaml")
     assert config["apiVersion"] == "inference.networking.x-k8s.io/v1alpha1"
     assert config["kind"] == "EndpointPickerConfig"
@@ -535,3 +575,37 @@ def test_gie_config_is_kvflows_scoring_in_gies_plugins(routing: dict[str, Any], 
     assert profile["plugins"][-1] == {"pluginRef": picker}
     assert {p["pluginRef"]: p["weight"] for p in profile["plugins"][:-1]} == plugins
     assert sorted(p["type"] for p in config["plugins"]) == sorted(["single-profile-handler", *plugins, picker])
+
+
+def test_the_make_up_equivalent_llmservice_routes_as_make_up_does() -> None:
+    """manifests/samples/sim.yaml is `make up` on a cluster: the router config the operator renders
+    schedules exactly as the one `kvflow up` runs (what the routing benchmark measures)."""
+    from kvflow.local import up
+    from kvflow.router.config import RouterConfig, load_config
+
+    def scheduling(config: RouterConfig, profile: str) -> dict[str, Any]:
+        chosen = config.profiles[profile]
+        return {"profile": chosen.model_dump(), "block_size": config.block_size,
+                "plugins": {ref.plugin_ref: config.plugins[ref.plugin_ref].model_dump() for ref in chosen.plugins},
+                **config.model_dump(exclude={"pool", "default_profile", "user_plugins", "scheduling_profiles"})}
+
+    objs = render(with_uid(load("sim.yaml")), IMAGES)
+    operator = load_config(config_file(objs, "sim-llm-router", "router.yaml"))
+    gateway = config_file(objs, "sim-llm-gateway", "gateway.yaml")["pools"][0]
+    args = up.parse_args([])
+    plan = up.plan_stack(args.decode, args.prefill)
+    local = load_config(up.router_config(plan, up.SIM_BLOCK_SIZE))
+    assert gateway["profile"] == operator.default_profile == args.profile == "default"
+    assert load_config(gateway["router_config"]) == operator
+    assert scheduling(operator, operator.default_profile) == scheduling(local, args.profile)
+    # and the same engines: as many simulated pods, on the same timing profile
+    deployment = by_kind(objs, "Deployment", "sim-llm-aggregated")
+    assert deployment["spec"]["replicas"] == len(plan.pods)
+    engine = deployment["spec"]["template"]["spec"]["containers"][0]
+    from kvflow.sim.cli import parser as sim_parser
+
+    rendered = sim_parser().parse_args(engine["args"][1:])
+    args.model = "sim-model"
+    local_argv = up.sim_argv(plan.pods[0], args)
+    local_sim = sim_parser().parse_args(local_argv[local_argv.index("sim") + 1:])
+    assert (rendered.profile, rendered.role, rendered.block_size) == (local_sim.profile, local_sim.role, 16)
