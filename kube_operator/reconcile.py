@@ -21,13 +21,14 @@ from kvflow.operator.kube import ApiError, KubeClient
 from kvflow.operator.objects import APPLY_ORDER, RESOURCES, Obj, content_hash, key
 from kvflow.operator.plan import Key, plan
 from kvflow.operator.render import render
-from kvflow.operator.render_pools import rendered_roles
+from kvflow.operator.render_pools import rendered_roles, workload_kind
 from kvflow.operator.spec import InvalidSpecError, LLMService, PoolRole, parse
 from kvflow.operator.status import Event
 from kvflow.protocol.vllm_metrics import EngineMetrics
 
 OPTIONAL_KINDS = {"InferencePool": "Gateway API Inference Extension CRDs (InferencePool v1)",
-                  "HTTPRoute": "Gateway API CRDs (HTTPRoute v1)", "ScaledObject": "KEDA"}
+                  "HTTPRoute": "Gateway API CRDs (HTTPRoute v1)", "ScaledObject": "KEDA",
+                  "LeaderWorkerSet": "LeaderWorkerSet CRDs (leaderworkerset.x-k8s.io/v1)"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,6 +139,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
     observed: dict[Key, Obj] = {}
     pods: list[Obj] = []
     scale: dict[PoolRole, int] = {}
+    stuck: dict[PoolRole, str] = {}
     loaded: list[adapters.PodAdapters] | None = None  # this round's LoRA loads (lifecycle rounds)
     try:
         observed = await observe(rt.client, svc)
@@ -147,7 +149,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
             # Apply nothing rather than half a service that cannot route.
             raise ApiError(404, "the cluster does not serve " + "; ".join(missing) + ": install it first")
         if lifecycle_duties:
-            scale, events = await _lifecycle(rt, svc, observed, pods)
+            scale, events, stuck = await _lifecycle(rt, svc, observed, pods)
             loaded = await adapters.sync_service(svc, pods, rt.config.scrape_timeout, previous)
         decided = plan(svc, desired, observed, scale)
         full = not lifecycle_duties or rt.resync_due(svc.uid)
@@ -163,11 +165,11 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
     except ApiError as exc:
         error = str(exc)
         decided = plan(svc, desired, observed, scale)
-    problems = health.problems(pods, [o for k, o in observed.items() if k[1] == "Deployment"])
+    problems = health.problems(pods, [o for k, o in observed.items() if k[1] in ("Deployment", "LeaderWorkerSet")])
     unreachable = {role: rounds for (uid, role), rounds in rt.unreachable.items()
                    if uid == svc.uid and rounds >= rt.config.unreachable_rounds}
     new = status_mod.compute(svc, decided, observed, now=rt.wall(), previous=previous, error=error,
-                             problems=problems, unreachable=unreachable)
+                             problems=problems, unreachable=unreachable, stuck=stuck)
     events += adapters.report(new, loaded, adapters.desired_adapters(svc), svc.generation, rt.wall(), previous)
     return Outcome(new, events + status_mod.transition_events(previous, new))
 
@@ -181,8 +183,10 @@ def _of_role(pods: list[Obj], role: PoolRole) -> list[Obj]:
     return [p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == role]
 
 
-async def _lifecycle(rt: Runtime, svc: LLMService, observed: Mapping[Key, Obj],
-                     all_pods: list[Obj]) -> tuple[dict[PoolRole, int], list[Event]]:
+async def _lifecycle(rt: Runtime, svc: LLMService, observed: Mapping[Key, Obj], all_pods: list[Obj]
+                     ) -> tuple[dict[PoolRole, int], list[Event], dict[PoolRole, str]]:
+    """Scrape, replace a stuck engine, scale: the replica decisions, the events, and per pool
+    what was found stuck this round."""
     assert rt.client is not None
     pods = _running_engines(all_pods)
     metrics: dict[str, EngineMetrics] = {}
@@ -204,10 +208,14 @@ async def _lifecycle(rt: Runtime, svc: LLMService, observed: Mapping[Key, Obj],
             history = rt.histories.setdefault((svc.uid, uid), [])
             history.append(lifecycle.sample_from_metrics(metrics[uid], now))
             rt.histories[(svc.uid, uid)] = lifecycle.trim(history, now, keep)
+    stuck: dict[PoolRole, str] = {}
     if svc.spec.lifecycle.stuck_detection:
         for role in rendered_roles(svc):
-            events += await _replace_stuck(rt, svc, role, _of_role(pods, role), now)
-    return _autoscale(rt, svc, pods, metrics, observed, events, now), events
+            found = await _replace_stuck(rt, svc, role, _of_role(pods, role), now)
+            if found:
+                stuck[role] = found[0].message
+            events += found
+    return _autoscale(rt, svc, pods, metrics, observed, events, now), events, stuck
 
 
 async def _replace_stuck(rt: Runtime, svc: LLMService, role: PoolRole, pods: list[Obj], now: float) -> list[Event]:
@@ -242,7 +250,7 @@ def _autoscale(rt: Runtime, svc: LLMService, pods: list[Obj], metrics: Mapping[s
     window = svc.spec.autoscaling.scale_down_stabilization_seconds
     for role in rendered_roles(svc):
         bounds = svc.spec.pool(role).autoscaling
-        have = observed.get(("apps/v1", "Deployment", names.child_name(svc, role)))
+        have = observed.get((*workload_kind(svc, role), names.child_name(svc, role)))
         if bounds is None or have is None:
             continue
         current = int((have.get("spec") or {}).get("replicas", 1))
