@@ -5,13 +5,32 @@ production server should do. Each check says pass or fail; all run at once (the 
 slowloris check, waits ``SLOW_WAIT`` seconds).
 
     results = asyncio.run(run_attacks("127.0.0.1", 8080, model="m"))   # {"long-url": True, ...}
+
+Run as a script, it measures what the attacks of issue 49 cost a real ``kvflow gateway`` in
+front of a real ``kvflow sim`` pod (child processes on 127.0.0.x), and prints one table:
+
+    python bench/edge_attacks.py                      # this checkout
+    python bench/edge_attacks.py --pythonpath VIEW    # another (a ``kvflow.local.pkgview`` of it)
+
+* **body crowd**: ``--bodies`` connections (300) without an API key each send an 8 MiB body,
+  twice; the gateway's RSS before, at its peak, and after each wave, and the answers' statuses;
+* **large answer**: a non-streamed completion of 6,000 tokens with 20 logprobs (3.66 MB);
+* **escaped P/D key**: ``"kv_transfer_p\\u0061rams"`` in a body (a 400 where refused).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import collections
 import json
+import os
 import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 SLOW_WAIT = 15.0
 """How long a server may keep a connection whose headers never finish (kvflow: 10 s, nginx 60)."""
@@ -80,6 +99,135 @@ async def run_attacks(host: str, port: int, model: str) -> dict[str, bool]:
         "deep-JSON": status_is_4xx(_post(b'{"model":"%s","prompt":' % model.encode() + b"[" * 100_000 + b"]" * 100_000
                                          + b"}")),
         "bad-UTF-8": status_is_4xx(_post(b'{"model": "%s", "prompt": "\xff\xfe"}' % model.encode())),
+        "declared-2-GiB-body": status_is_4xx(_post(b"")[:-len(b"Content-Length: 0\r\n\r\n")]
+                                             + b"Content-Length: 2147483648\r\n\r\n"),  # answered unsent
     }
     results = await asyncio.gather(*checks.values(), return_exceptions=True)
     return {name: result is True for name, result in zip(checks, results)}
+
+
+# -- the script: what the attacks cost a real gateway ----------------------------------------
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _send_body(host: str, port: int, body: memoryview, headers: bytes = b"") -> int:
+    """One request with ``body``, written in 64 KiB pieces (the client holds no copy); its status."""
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        return 0
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n" + headers +
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+        for at in range(0, len(body), 1 << 16):
+            writer.write(body[at:at + (1 << 16)])
+            await writer.drain()
+        got = _statuses(await asyncio.wait_for(reader.read(4096), 120))
+        return got[0] if got else 0
+    except (OSError, TimeoutError):  # reset or closed before an answer came
+        return 0
+    finally:
+        writer.close()
+
+
+async def _crowd(host: str, port: int, pid: int, n: int, size: int) -> tuple[float, float, collections.Counter[int]]:
+    """``n`` bodies of ``size`` bytes at once: the peak RSS while they ran, the RSS 2 s after, statuses."""
+    body = memoryview(b'{"model":"tiny","prompt":"' + b"x" * (size - 30) + b'"}')
+    peak = 0.0
+    tasks = [asyncio.ensure_future(_send_body(host, port, body)) for _ in range(n)]
+    while not all(t.done() for t in tasks):
+        peak = max(peak, _rss_mb(pid))
+        await asyncio.sleep(0.05)
+    statuses = collections.Counter(t.result() for t in tasks)
+    await asyncio.sleep(2.0)
+    return peak, _rss_mb(pid), statuses
+
+
+async def _completion(host: str, port: int, body: dict[str, object], key: str, timeout: float) -> tuple[int, int, float]:
+    """(status, answer bytes, seconds) of one non-streamed request."""
+    raw = json.dumps(body).encode()
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(_post(raw, b"Authorization: Bearer %s\r\nConnection: close\r\n" % key.encode()))
+    try:
+        answer = await asyncio.wait_for(reader.read(-1), timeout)
+    except TimeoutError:
+        answer = b""
+    writer.close()
+    got = _statuses(answer)
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    return (got[0] if got else 0), len(payload), time.perf_counter() - start
+
+
+async def _measure(args: argparse.Namespace, gw_port: int, gw_pid: int, key: str) -> list[tuple[str, str]]:
+    host = "127.0.0.1"
+    rows = [("gateway RSS at start", f"{_rss_mb(gw_pid):.0f} MB")]
+    for wave in (1, 2):
+        peak, after, statuses = await _crowd(host, gw_port, gw_pid, args.bodies, args.body_mib << 20)
+        rows.append((f"body crowd, wave {wave}: {args.bodies} x {args.body_mib} MiB without a key",
+                     f"peak {peak:.0f} MB, after {after:.0f} MB; " +
+                     ", ".join(f"{s or 'reset'}: {c}" for s, c in sorted(statuses.items()))))
+    status, size, seconds = await _completion(
+        host, gw_port, {"model": "tiny", "prompt": "hi", "max_tokens": 6000, "logprobs": 20}, key, args.answer_timeout)
+    rows.append(("non-streamed 6,000 tokens with 20 logprobs", f"{status} in {seconds:.2f} s ({size / 1e6:.2f} MB)"))
+    status, _, seconds = await _completion(
+        host, gw_port, {"model": "tiny", "prompt": "hi", "max_tokens": 1, "kv_transfer_p\u0061rams": {"x": 1}},
+        key, 30)
+    rows.append(('"kv_transfer_p\\u0061rams" in a body', f"{status}"))
+    return rows
+
+
+_FROM_VIEW = ("import os, runpy, sys; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]; "
+              "sys.meta_path[:] = [f for f in sys.meta_path if not "
+              "getattr(f, '__module__', type(f).__module__).startswith('__editable__')]; "
+              "sys.argv[0] = 'kvflow'; runpy.run_module('kvflow', run_name='__main__')")
+"""``python -m kvflow`` from ``PYTHONPATH`` rather than this checkout's editable install."""
+
+
+def _argv_in(view: str) -> Callable[..., list[str]]:
+    def argv(*args: str) -> list[str]:
+        return [sys.executable, "-c", _FROM_VIEW, *args]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pythonpath", help="run the gateway and pod from this package view instead")
+    p.add_argument("--bodies", type=int, default=300)
+    p.add_argument("--body-mib", type=int, default=8)
+    p.add_argument("--answer-timeout", type=float, default=90.0)
+    args = p.parse_args(argv)
+    env = {"PYTHONPATH": args.pythonpath} if args.pythonpath else {}
+    command = _argv_in(args.pythonpath) if args.pythonpath else kvflow_argv
+    with tempfile.TemporaryDirectory() as tmp, ProcessGroup(Path(tmp) / "logs") as group:
+        key = "bench-key"
+        keys = Path(tmp) / "keys.txt"
+        keys.write_text(key + "\n")
+        sim_port, gw_port = free_port("127.0.0.5"), free_port()
+        group.start("sim", command("sim", "--host", "127.0.0.5", "--port", str(sim_port), "--model", "tiny",
+                                       "--profile", "instant", "--max-model-len", "8192"),
+                    env=env, ready_url=f"http://127.0.0.5:{sim_port}/health")
+        gateway = group.start("gateway", command("gateway", "--host", "127.0.0.1", "--port", str(gw_port),
+                                                     "--model", "tiny", "--endpoint", f"127.0.0.5:{sim_port}",
+                                                     "--api-keys-file", str(keys)),
+                              env={**env, "KVFLOW_BATCH_DIR": tmp}, ready_url=f"http://127.0.0.1:{gw_port}/health")
+        group.wait_ready(60)
+        rows = asyncio.run(_measure(args, gw_port, gateway.popen.pid, key))
+    width = max(len(name) for name, _ in rows)
+    print(f"| {'case':<{width}} | result |\n|{'-' * (width + 2)}|---|")
+    for name, result in rows:
+        print(f"| {name:<{width}} | {result} |")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    raise SystemExit(main())

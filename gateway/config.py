@@ -118,6 +118,9 @@ class HttpConfig(_Strict):
     """Requests read ahead on one connection before reading pauses."""
     max_json_depth: int = Field(64, ge=2)
     """Nesting of a JSON body; deeper: 400."""
+    max_buffered_body_bytes: int = Field(256 << 20, ge=1)
+    """Request body bytes all connections of one process hold at once; a body that does not fit is
+    refused unread with 503 and Retry-After (one body is always admitted)."""
 
 
 class AuthConfig(_Strict):

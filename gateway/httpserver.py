@@ -13,7 +13,14 @@ Service or Envoy), no multipart, no websockets, no upgrades.
 Limits, each answered as production proxies answer it (``Limits`` has the defaults):
 
 * request line (URL) over ``max_request_line`` → 414; header bytes over ``max_header_bytes`` or
-  more than ``max_headers`` headers → 431; a body over ``max_body`` → 413. The connection closes.
+  more than ``max_headers`` headers → 431; a body over ``max_body`` → 413, as soon as its
+  ``Content-Length`` (or, chunked, its running size) says so: the rest is never read. The
+  connection closes.
+* the bodies of all connections together hold at most ``max_buffered_bodies`` bytes
+  (``kvflow.request_body.BodyBudget``): a body is admitted by its ``Content-Length`` before any of
+  it is read (chunked: as it arrives) and given back when its request has been answered; one that
+  does not fit gets a 503 with ``Retry-After`` unread, and its connection closes. A crowd of large
+  bodies, authenticated or not, costs at most the budget.
 * a request whose headers are not complete ``header_timeout`` after its first byte, or whose body
   is not complete ``body_timeout`` after its headers → 408, then the connection closes (slowloris);
 * a keep-alive connection idle for ``keep_alive_timeout`` (a new one silent for
@@ -43,9 +50,13 @@ from http import HTTPStatus
 
 import httptools
 
+from kvflow.request_body import DEFAULT_BUFFERED_BODIES, BodyBudget
+
 Header = tuple[str, str]
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _IDLE, _HEAD, _BODY = 0, 1, 2  # where the parser is in the next request
+LINGER = 2.0
+"""Seconds a connection refused mid-body reads and drops the rest before it closes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,7 @@ class Limits:
     write_timeout: float = 60.0
     max_connections: int = 4096
     max_pipelined: int = 16
+    max_buffered_bodies: int = DEFAULT_BUFFERED_BODIES
 
     @property
     def tick(self) -> float:
@@ -71,10 +83,12 @@ class Limits:
 
 
 class Request:
-    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "peer")
+    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "peer", "held")
 
     def __init__(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, peer: str = "") -> None:
+                 keep_alive: bool, peer: str = "", held: int = 0) -> None:
+        self.held = held
+        """Bytes of the server's body budget this request holds until it has been answered."""
         self.method, self.path, self.query = method, path, query
         self.headers = headers
         """Lower-case names."""
@@ -178,6 +192,8 @@ class _Server:
         """Connections between requests, longest idle first: the ones closed to make room."""
         self.counts: dict[str, int] = {}
         """Connections closed or requests refused by the limits, by reason (metrics)."""
+        self.bodies = BodyBudget(limits.max_buffered_bodies)
+        """Request body bytes held by all connections."""
         self.sweeper: asyncio.TimerHandle | None = None
 
     def count(self, reason: str) -> None:
@@ -226,6 +242,8 @@ class _Connection(asyncio.Protocol):
         self.deadline = self._loop.time() + self.limits.header_timeout
         self.write_deadline = 0.0
         self.overloaded = False
+        self.lingering = False
+        """Answered and half-closed: what the client still sends is read and dropped."""
         self._dead = False  # the parser failed or a limit was hit: nothing more is read
         self._reading = True
         self._head_bytes = 0
@@ -235,7 +253,8 @@ class _Connection(asyncio.Protocol):
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._size = 0
-        self._too_large = False
+        self._admitted = 0  # budget bytes taken for the body being read
+        self._held = 0  # budget bytes this connection holds in all (that body, and requests not yet answered)
         self._pending: deque[Request | _Rejection] = deque()
         self._task: asyncio.Task[None] | None = None
         self._more: asyncio.Future[None] | None = None  # the task waits on it for the next request
@@ -277,6 +296,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.forget(self)
+        self._give(self._held)
         self._pending.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -293,7 +313,8 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks --------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self._url, self._headers, self._body, self._size, self._too_large = b"", {}, [], 0, False
+        self._url, self._headers, self._body, self._size = b"", {}, [], 0
+        self._admitted = 0
         self._header_count = self._header_bytes = 0
         self.phase = _HEAD
         self.server.idle.pop(self, None)
@@ -319,31 +340,55 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         if not self.busy:
             self.deadline = self._loop.time() + self.limits.body_timeout
+        if self.overloaded:
+            return  # answered 503 once complete; its body is not kept
         length = self._headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_body:
-            self._too_large = True
-        elif (self._headers.get("expect", "").lower() == "100-continue" and not self.busy
-              and not self.overloaded):  # never in the middle of an earlier request's answer
+        if length is not None and length.isdigit():
+            self._admit(int(length))  # refused here, before a byte of the body is read
+        if (self._headers.get("expect", "").lower() == "100-continue" and not self.busy
+                and not self._dead):  # never in the middle of an earlier request's answer
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size > self.limits.max_body:
-            self._too_large = True
-        elif not self._too_large:
-            self._body.append(body)
+        if self.overloaded:
+            return
+        if self._size > self._admitted:  # chunked, or longer than declared (the parser stops that)
+            self._admit(self._size)
+        self._body.append(body)
+
+    def _admit(self, size: int) -> None:
+        """Hold ``size`` bytes of the server's budget for the body being read, or refuse it."""
+        if size > self.limits.max_body:
+            raise _Refused(413, f"request body is over the {self.limits.max_body}-byte limit")
+        more = size - self._admitted
+        if more <= 0:
+            return
+        budget = self.server.bodies
+        if not budget.fits(more):
+            budget.refused += 1
+            self.server.count("over_body_budget")
+            raise _Refused(503, "the gateway is receiving too many request bodies at once; retry later")
+        budget.take(more)
+        self._admitted = size
+        self._held += more
+
+    def _give(self, n: int) -> None:
+        if n > 0:
+            self._held -= n
+            self.server.bodies.give(n)
 
     def on_message_complete(self) -> None:
         self.phase = _IDLE
         self._head_bytes = 0
         if self.overloaded:
             self._enqueue(_Rejection(503, "the gateway has too many open connections; retry later"))
-        elif self._too_large:
-            self._enqueue(_Rejection(413, f"request body is over the {self.limits.max_body}-byte limit"))
         else:
             path, _, query = self._url.decode("latin-1").partition("?")
+            body, self._body = b"".join(self._body), []
             self._enqueue(Request(self.parser.get_method().decode(), path, query, self._headers,
-                                  b"".join(self._body), self.parser.should_keep_alive(), self.peer))
+                                  body, self.parser.should_keep_alive(), self.peer, self._admitted))
+            self._admitted = 0
 
     # --- requests -------------------------------------------------------------------------
     def _enqueue(self, item: Request | _Rejection) -> None:
@@ -412,6 +457,10 @@ class _Connection(asyncio.Protocol):
                 self.fallback(out, 500, "internal error")
             elif not self.closed:
                 self.abort()
+        finally:
+            if not self.closed:  # a closed connection gave back all it held
+                self._give(request.held)
+            request.held = 0
         if self.closed:
             return False
         if not request.keep_alive:
@@ -429,7 +478,23 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         self.fallback(Responder(self, keep_alive=False), status, message)
-        self.close_quietly()
+        if self.phase == _BODY and self.transport is not None and self.transport.can_write_eof():
+            self._linger()
+        else:
+            self.close_quietly()
+
+    def _linger(self) -> None:
+        """Refused mid-body: closing now, with the client's bytes unread, would send a reset
+        that can destroy the answer before the client reads it. So, as nginx's lingering close:
+        end our side, then read and drop what the client still sends, until it closes or
+        ``LINGER`` seconds pass (nothing of it is kept)."""
+        assert self.transport is not None
+        self.transport.write_eof()
+        self.lingering, self.busy = True, False
+        self.deadline = self._loop.time() + min(LINGER, self.limits.body_timeout)
+        if not self._reading:
+            self._reading = True
+            self.transport.resume_reading()
 
     def _stop_reading(self) -> None:
         self._dead = True
@@ -439,7 +504,9 @@ class _Connection(asyncio.Protocol):
 
     def expire(self) -> None:
         """A read deadline passed with nothing to answer: 408 mid-request, else just close."""
-        if self.phase == _IDLE:
+        if self.lingering:
+            self.close_quietly()
+        elif self.phase == _IDLE:
             self.server.count("keep_alive_timeout")
             self.close_quietly()
         else:

@@ -57,7 +57,8 @@ def limits_of(config: GatewayConfig) -> Limits:
     return Limits(max_body=config.max_body_bytes, max_request_line=h.max_request_line_bytes,
                   max_header_bytes=h.max_header_bytes, max_headers=h.max_headers, header_timeout=h.header_timeout,
                   body_timeout=h.body_timeout, keep_alive_timeout=h.keep_alive_timeout,
-                  write_timeout=h.write_timeout, max_connections=h.max_connections, max_pipelined=h.max_pipelined)
+                  write_timeout=h.write_timeout, max_connections=h.max_connections, max_pipelined=h.max_pipelined,
+                  max_buffered_bodies=h.max_buffered_body_bytes)
 
 
 async def listen(handler: Handler, host: str, port: int, limits: Limits | int,

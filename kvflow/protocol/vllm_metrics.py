@@ -186,16 +186,29 @@ def _int(value: str | None) -> int | None:
 # -- the one fetch (the I/O edge; the callers own the session, its timeout and their policy) ----
 
 
-async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> EngineMetrics | None:
-    """The pod's metrics at ``url``, or None when it failed, timed out or sent something unreadable.
+MAX_SCRAPE_BYTES = 16 << 20
+"""Largest ``/metrics`` body read (a vLLM scrape is ~50 KB): a pod sending more is not heard,
+and what it sent past the mark is never buffered."""
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, url: str,
+                        max_bytes: int = MAX_SCRAPE_BYTES) -> EngineMetrics | None:
+    """The pod's metrics at ``url``, or None when it failed, timed out, sent something unreadable
+    or more than ``max_bytes``.
 
     None is "did not answer", never "stuck" or "idle": what it means is the caller's to decide.
     """
     try:
         async with session.get(url) as resp:
-            if resp.status != 200:
+            if resp.status != 200 or (resp.content_length or 0) > max_bytes:
                 return None
-            text = await resp.text()
+            parts, size = [], 0
+            while chunk := await resp.content.readany():
+                size += len(chunk)
+                if size > max_bytes:
+                    return None  # leaving the block drops the connection and the rest unread
+                parts.append(chunk)
+            text = b"".join(parts).decode()  # the exposition format is UTF-8
     except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
         return None
     return parse_metrics(text)

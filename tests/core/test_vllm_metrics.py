@@ -123,3 +123,36 @@ async def test_fetch_gives_metrics_or_none_when_the_pod_did_not_answer() -> None
     finally:
         released.set()
         await runner.cleanup()
+
+
+async def test_a_metrics_body_over_the_cap_is_not_heard_and_not_read_to_its_end() -> None:
+    """A pod answering /metrics with an endless body costs the scraper at most about the cap."""
+    sent = 0
+    dropped = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        line = b"vllm:num_requests_running 1\n" * 4096
+        try:
+            while True:
+                await response.write(line)
+                sent += len(line)
+        except (ConnectionError, RuntimeError):
+            dropped.set()  # the scraper hung up
+            raise
+
+    app = web.Application()
+    app.router.add_get("/metrics", endless)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port("127.0.0.1")
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            assert await fetch_metrics(session, f"http://127.0.0.1:{port}/metrics", max_bytes=1 << 20) is None
+        await asyncio.wait_for(dropped.wait(), 10)
+        assert sent < 64 << 20  # the cap and what the sockets' buffers held, not the 30 s a reader would take
+    finally:
+        await runner.cleanup()
