@@ -38,7 +38,15 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, KvEvent, decode_runs
+from kvflow.protocol.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BadEvent,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    decode_runs,
+)
 from kvflow.router.fingerprint import event_keys
 from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.throttle import ThrottledLog
@@ -69,16 +77,22 @@ def apply(
     it. Returns how many ``BlockStored`` events could not be fingerprinted (skipped)."""
     skipped = 0
     removed: list[int] = []
-    """Hashes of consecutive ``BlockRemoved`` events (vLLM sends one per evicted block), removed
-    together when the run ends: removals commute, and one call costs what one block did."""
+    """Hashes of consecutive GPU ``BlockRemoved`` events (vLLM sends one per evicted block),
+    removed together when the run ends: removals commute, and one call costs what one block did."""
     for event in events:
-        if type(event) is BlockRemoved:
+        if type(event) is BlockRemoved and event.medium is None:
             removed += event.block_hashes
             continue
         if removed:
             _remove(index, endpoint, removed, speculative)
             removed = []
-        if isinstance(event, BlockStored):
+        if isinstance(event, BlockRemoved):  # from an offload tier: the GPU copy, if any, stays
+            if event.medium == MEDIUM_CPU:
+                index.cpu.remove_hashes(endpoint, event.block_hashes)
+        elif isinstance(event, BlockStored) and event.medium is not None:
+            if event.medium == MEDIUM_CPU and not _offloaded(index, endpoint, event):
+                skipped += 1
+        elif isinstance(event, BlockStored):
             keys = stored_fingerprints(index, event)
             if keys is None:
                 skipped += 1
@@ -93,6 +107,21 @@ def apply(
     if removed:
         _remove(index, endpoint, removed, speculative)
     return skipped
+
+
+def _offloaded(index: PrefixIndex, endpoint: EndpointId, event: BlockStored) -> bool:
+    """The CPU tier stored these blocks. The connector's event names them by vLLM's hash alone
+    (no tokens, no parent): each is known by the fingerprint the GPU index holds for the hash,
+    since the connector copies a block while the GPU holds it. False if any was unknown (those
+    are skipped: a prefix walk could not reach them)."""
+    fingerprints, hashes = [], []
+    for h in event.block_hashes:
+        fp = index.fingerprint_of(h)
+        if fp is not None:
+            fingerprints.append(fp)
+            hashes.append(h)
+    index.cpu.store(endpoint, fingerprints, hashes)
+    return len(hashes) == len(event.block_hashes)
 
 
 def _remove(index: PrefixIndex, endpoint: EndpointId, hashes: list[int], speculative: SpeculativeIndex | None) -> None:
@@ -141,7 +170,7 @@ def slices(events: list[KvEvent], max_blocks: int = SLICE_BLOCKS) -> Iterator[li
 
 def _cut_removed(event: BlockRemoved, max_blocks: int) -> list[KvEvent]:
     hashes = event.block_hashes
-    return [BlockRemoved(hashes[i : i + max_blocks]) for i in range(0, len(hashes), max_blocks)]
+    return [BlockRemoved(hashes[i : i + max_blocks], event.medium) for i in range(0, len(hashes), max_blocks)]
 
 
 def _cut(event: BlockStored, max_blocks: int) -> list[KvEvent]:
@@ -155,7 +184,7 @@ def _cut(event: BlockStored, max_blocks: int) -> list[KvEvent]:
         BlockStored(
             hashes[i : i + max_blocks], event.parent if i == 0 else hashes[i - 1], event.block_size,
             tokens[i * size : (i + max_blocks) * size], event.lora_name,
-            None if keys is None else keys[i : i + max_blocks],
+            None if keys is None else keys[i : i + max_blocks], event.medium,
         )
         for i in range(0, len(hashes), max_blocks)
     ]

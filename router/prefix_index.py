@@ -20,6 +20,12 @@ arrays, 45-61 bytes per (block, endpoint) entry, an age order and a cap per endp
   scatters before the first events arrive.
 * ``ApproxPrefixIndex`` learns from what the router itself routed and guesses eviction with a
   per-endpoint LRU bounded by the pod's cache size: the approximate scorer.
+* ``CpuTierIndex`` (a ``PrefixIndex``'s ``cpu``): the blocks each pod's CPU offload tier holds,
+  from the ``BlockStored``/``BlockRemoved`` events vLLM's OffloadingConnector sends with medium
+  ``CPU``. Those events carry no tokens and no parent, only vLLM's hashes, so a block is known
+  by the fingerprint the GPU index gave the same hash (the connector writes a block to CPU while
+  the GPU holds it); ``continued`` says how far each pod's CPU tier carries a prefix on past
+  its GPU match: the blocks a request would load back instead of computing.
 """
 
 from __future__ import annotations
@@ -92,6 +98,8 @@ class PrefixIndex:
         self._table = BlockTable(
             refresh=False, default_capacity=default_capacity, translate=True, max_entries=max_entries
         )
+        self.cpu = CpuTierIndex()
+        """The pods' CPU offload tiers, from their events with medium ``CPU``."""
 
     def __len__(self) -> int:
         return len(self._table)
@@ -127,10 +135,82 @@ class PrefixIndex:
         return self._table.translated(block_hash)
 
     def clear(self, endpoint: EndpointId) -> None:
+        """The endpoint's cache is gone (``AllBlocksCleared``, a restart): both tiers."""
         self._table.clear(endpoint)
+        self.cpu.clear(endpoint)
 
     def match(self, chain: Iterable[int]) -> dict[EndpointId, int]:
         return self._table.match(chain)
+
+
+class CpuTierIndex:
+    """Per endpoint, the fingerprints of the blocks its CPU offload tier holds, with vLLM's hash
+    of each (removals name them by it). At most ``max_blocks`` an endpoint: beyond it the
+    oldest stored go first (vLLM's own LRU evicts, and says so, long before)."""
+
+    def __init__(self, max_blocks: int = DEFAULT_CAPACITY) -> None:
+        self.max_blocks = max_blocks
+        self._blocks: dict[EndpointId, dict[int, int]] = {}
+        """Endpoint -> fingerprint -> vLLM hash, oldest stored first."""
+        self._fingerprints: dict[EndpointId, dict[int, int]] = {}
+        """Endpoint -> vLLM hash -> fingerprint."""
+
+    def __len__(self) -> int:
+        """(block, endpoint) entries."""
+        return sum(map(len, self._blocks.values()))
+
+    def blocks_of(self, endpoint: EndpointId) -> int:
+        return len(self._blocks.get(endpoint, ()))
+
+    def holds(self, endpoint: EndpointId, fingerprint: int) -> bool:
+        return fingerprint in self._blocks.get(endpoint, ())
+
+    def store(self, endpoint: EndpointId, fingerprints: Sequence[int], hashes: Sequence[int]) -> None:
+        blocks = self._blocks.setdefault(endpoint, {})
+        by_hash = self._fingerprints.setdefault(endpoint, {})
+        for fp, h in zip(fingerprints, hashes, strict=True):
+            if fp not in blocks:
+                blocks[fp] = h
+                by_hash[h] = fp
+        while len(blocks) > self.max_blocks:
+            fp = next(iter(blocks))
+            by_hash.pop(blocks.pop(fp), None)
+
+    def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
+        """The tier evicted these blocks: the fingerprints of those it was known to hold."""
+        by_hash, blocks = self._fingerprints.get(endpoint), self._blocks.get(endpoint)
+        if not by_hash or blocks is None:
+            return []
+        gone = []
+        for h in hashes:
+            fp = by_hash.pop(h, None)
+            if fp is not None:
+                blocks.pop(fp, None)
+                gone.append(fp)
+        return gone
+
+    def clear(self, endpoint: EndpointId) -> None:
+        self._blocks.pop(endpoint, None)
+        self._fingerprints.pop(endpoint, None)
+
+    def continued(self, chain: Sequence[int] | np.ndarray, gpu: Mapping[EndpointId, int],
+                  endpoints: Iterable[EndpointId]) -> dict[EndpointId, int]:
+        """For each of ``endpoints`` with a CPU tier: how many blocks of ``chain`` after its GPU
+        match (``gpu``, 0 where absent) the tier holds, from the first (vLLM loads a contiguous
+        run); endpoints whose tier continues nothing are absent."""
+        out: dict[EndpointId, int] = {}
+        n = len(chain)
+        for eid in endpoints:
+            blocks = self._blocks.get(eid)
+            if not blocks:
+                continue
+            start = gpu.get(eid, 0)
+            i = start
+            while i < n and int(chain[i]) in blocks:
+                i += 1
+            if i > start:
+                out[eid] = i - start
+        return out
 
 
 class ApproxPrefixIndex:

@@ -118,6 +118,9 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     """Each block's extra keys as vLLM publishes them (untagged), or None."""
+    medium: str | None = None
+    """The tier that stored the blocks: None for the GPU (``"GPU"`` or unsaid), else vLLM's
+    name of an offload medium (``"CPU"``: the OffloadingConnector's CPU pool)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,8 @@ class BlockRemoved:
     """A decoded ``BlockRemoved``."""
 
     block_hashes: tuple[int, ...]
+    medium: str | None = None
+    """As ``BlockStored.medium``: None for the GPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +204,16 @@ def _name(raw: Any) -> str | None:
     return raw
 
 
+def _medium(raw: Any) -> str | None:
+    """vLLM's ``medium``: None (the GPU, also when unsaid) or an offload tier's name, upper case."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or len(raw) > 64:
+        raise BadEvent(f"medium {raw!r:.40}")
+    medium = raw.upper()
+    return None if medium == MEDIUM_GPU else medium
+
+
 def _scalar_key(k: Any) -> bool:
     if isinstance(k, (str, bytes)):
         return len(k) <= MAX_KEY_LENGTH
@@ -248,18 +263,24 @@ def _fields(raw: Any) -> tuple[Any, Any]:
 
 _REMOVED_HASHES = 1 + _POSITIONS["BlockRemoved"]["block_hashes"]
 """Where an array-tagged ``BlockRemoved`` carries its hashes."""
+_REMOVED_MEDIUM = 1 + _POSITIONS["BlockRemoved"]["medium"]
+_GPU_MEDIA = (None, MEDIUM_GPU)
 
 
 _OTHER = object()
 
 
 def _removed_hashes(raw: Any) -> Any:
-    """A ``BlockRemoved``'s hashes as sent, unchecked (None if it has none), or ``_OTHER`` for
-    any other event (and for an array-tagged removal too short to hold them: the generic path)."""
+    """A GPU ``BlockRemoved``'s hashes as sent, unchecked (None if it has none), or ``_OTHER``
+    for any other event (a removal from an offload tier, and an array-tagged removal too short
+    to hold its hashes, included: the generic path)."""
     if type(raw) is dict:  # vLLM's tagged map
-        return raw.get("block_hashes") if raw.get("type") == "BlockRemoved" else _OTHER
+        if raw.get("type") == "BlockRemoved" and raw.get("medium") in _GPU_MEDIA:
+            return raw.get("block_hashes")
+        return _OTHER
     if type(raw) is list and len(raw) > _REMOVED_HASHES and raw[0] == "BlockRemoved":  # older vLLM's array
-        return raw[_REMOVED_HASHES]
+        if len(raw) <= _REMOVED_MEDIUM or raw[_REMOVED_MEDIUM] in _GPU_MEDIA:
+            return raw[_REMOVED_HASHES]
     return _OTHER
 
 
@@ -277,10 +298,10 @@ def decode_event(raw: Any) -> KvEvent | None:
         hashes = _hashes(get("block_hashes"))
         return BlockStored(
             hashes, None if parent is None else _ext(parent), size, _tokens(get("token_ids")),
-            _name(get("lora_name")), _extra_keys(get("extra_keys"), len(hashes)),
+            _name(get("lora_name")), _extra_keys(get("extra_keys"), len(hashes)), _medium(get("medium")),
         )
     if tag == "BlockRemoved":
-        return BlockRemoved(_hashes(get("block_hashes")))
+        return BlockRemoved(_hashes(get("block_hashes")), _medium(get("medium")))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None

@@ -61,6 +61,19 @@ def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[Endpoi
     return found
 
 
+def offloaded_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[EndpointView],
+                      found: Mapping[EndpointId, int] | None = None) -> dict[EndpointId, int]:
+    """Per candidate, the blocks after its GPU match (``found``, default ``precise_matches``)
+    that its CPU offload tier holds (``PrefixIndex.cpu``, from the pods' medium-``CPU`` events):
+    what it would load back instead of computing. A GPU match cut by predicted eviction is
+    continued here too: an offloading pod wrote those blocks to CPU when it computed them."""
+    cpu = ctx.precise.cpu
+    if not cycle.hashes.num_blocks or not len(cpu):
+        return {}
+    gpu = precise_matches(cycle, ctx, endpoints) if found is None else found
+    return cpu.continued(cycle.hashes.array, gpu, map(_id, endpoints))
+
+
 def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[EndpointId, LoadCounter]) -> None:
     """Cut each candidate's match where its LRU cache has been filled since by other blocks
     this router sent there (``WorkingSet.surviving``): the pod evicted the rest, or will before

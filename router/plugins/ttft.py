@@ -2,7 +2,8 @@
 
 One estimate weighs cache against load, in one unit (prompt tokens of prefill work)::
 
-    work(pod) = queued(pod) + uncached(pod) + copyWeight × copied(pod) + evictWeight × evicted(pod)
+    work(pod) = queued(pod) + uncached(pod) + reloadWork × reloaded(pod)
+              + copyWeight × copied(pod) + evictWeight × evicted(pod)
               + steps × (stepTokens + decoding(pod) × decodeTokens)
 
 * ``queued``: prefill work already waiting there: this router's requests as a first-in
@@ -12,6 +13,10 @@ One estimate weighs cache against load, in one unit (prompt tokens of prefill wo
 * ``uncached``: the prompt tokens the pod does not hold (the precise prefix index with recently
   routed blocks, cut where the pod's LRU cache has evicted since, or the approximate one for a
   pod that sends no KV events; ``plugins.prefix_cache``);
+* ``reloaded``: the prompt tokens past the GPU match that the pod's CPU offload tier holds
+  (``plugins.prefix_cache.offloaded_matches``): vLLM loads them back over PCIe instead of
+  computing them, each at ``reloadWork`` of a prefilled token's work (the ratio of the two
+  rates), neither free like a GPU hit nor full price like a miss;
 * ``copied``: prompt tokens another pod holds and this one would compute again: the capacity a
   new copy of a prefix takes from every later request (the request's own wait for it is already
   in ``uncached``), so a prefix is copied when its home is busy, not when two of its requests
@@ -19,7 +24,7 @@ One estimate weighs cache against load, in one unit (prompt tokens of prefill wo
 * ``evicted``: cache still in use that storing the uncached tokens would push out: the pod's
   cache is least-recently-used, and past its capacity less its working set (``LoadCounter.room``:
   the distinct prompt tokens this router's requests touched there in the last
-  ``workingSetSeconds``, ``kvflow.router.working_set``) what it evicts is some later request's
+  ``workingSetSeconds``, ``kvflow.router.working_set``; reloaded tokens take GPU room too) what it evicts is some later request's
   prefix, computed again. So a new prefix goes where there is room for it, not onto whichever
   pod is idle this instant though it already homes as many prefixes as it holds;
 * ``steps``: engine steps the prefill spans (chunked prefill takes ``batchTokens`` a step), each
@@ -53,7 +58,7 @@ from kvflow.router.framework import Cycle, Scores
 from kvflow.router.load import VECTOR_MIN
 from kvflow.router.model import EndpointView
 from kvflow.router.per_list import PerList
-from kvflow.router.plugins.prefix_cache import precise_matches
+from kvflow.router.plugins.prefix_cache import offloaded_matches, precise_matches
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 
 
@@ -70,6 +75,10 @@ class TtftParams(NoParams):
     evict_weight: float = Field(default=0.5, alias="evictWeight", ge=0)
     """Cost per token of in-use cache a placement evicts: the share of it computed again later
     (0.5, measured on the routing benchmark's replay over five seeds; 1 and 0.25 did worse)."""
+    reload_work: float = Field(default=0.066, alias="reloadWork", ge=0, le=1)
+    """Work per prompt token loaded back from a pod's CPU offload tier, in tokens of prefill
+    work: prefill's rate over the PCIe reload's. 0.066 is Llama-3.1-8B on an H100 (25k tokens/s
+    of prefill, 128 KiB of KV a token at 50 GB/s: 380k tokens/s; the simulator's h100-llama8b)."""
 
 
 SPEED_SAMPLE = 64
@@ -101,6 +110,7 @@ class TtftScorer:
         self.batch_tokens = params.batch_tokens
         self.copy_weight = params.copy_weight
         self.evict_weight = params.evict_weight
+        self.reload_work = params.reload_work
         self.step_tokens = ctx.step_tokens
         self._positions = PerList(lambda endpoints: {ep.id: i for i, ep in enumerate(endpoints)})
         """Each candidate's place in the list, kept while the same list comes back."""
@@ -117,18 +127,22 @@ class TtftScorer:
         scale = spt if spt > 0.0 else 1.0  # seconds per token of work; in tokens until one is observed
         bs, prompt = cycle.block_size, cycle.prompt_tokens
         matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
-        cached: list[int] | np.ndarray  # prompt tokens each pod holds
+        offloaded = offloaded_matches(cycle, self.ctx, endpoints, matches)
+        cached: list[int] | np.ndarray  # prompt tokens each pod holds on its GPU
+        reloaded: list[int] | np.ndarray  # and on its CPU tier, right after
         if loads is None:
             cached = [matches.get(ep.id, 0) * bs for ep in endpoints]
-            best_cached: float = max(cached, default=0)
+            reloaded = [offloaded.get(ep.id, 0) * bs for ep in endpoints]
+            best_cached: float = max(map(sum, zip(cached, reloaded)), default=0)
         else:
-            cached = np.zeros(len(loads))
+            cached, reloaded = np.zeros(len(loads)), np.zeros(len(loads))
             position = self._positions(endpoints)
-            for eid, blocks in matches.items():
-                i = position.get(eid)
-                if i is not None:  # matches may name pods that are not candidates
-                    cached[i] = blocks * bs
-            best_cached = cached.max(initial=0.0)
+            for column, found in ((cached, matches), (reloaded, offloaded)):
+                for eid, blocks in found.items():
+                    i = position.get(eid)
+                    if i is not None:  # matches may name pods that are not candidates
+                        column[i] = blocks * bs
+            best_cached = (cached + reloaded).max(initial=0.0)
         # other routers' waiting requests (several router replicas) count at this router's mean work
         mean_work = 0.0
         foreign = loads.foreign_waiting.any() if loads is not None else any(ep.counter.foreign_waiting for ep in endpoints)
@@ -137,20 +151,23 @@ class TtftScorer:
             mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
         terms = (cycle.now, rate, prompt, best_cached, mean_work, scale)
         if loads is None:
-            return [self._estimate(_PLAIN, ep.counter, n, *terms) for ep, n in zip(endpoints, cached)]
-        return self._estimate(np, loads, cached, *terms)  # type: ignore[no-any-return]
+            return [self._estimate(_PLAIN, ep.counter, n, r, *terms)
+                    for ep, n, r in zip(endpoints, cached, reloaded)]
+        return self._estimate(np, loads, cached, reloaded, *terms)  # type: ignore[no-any-return]
 
-    def _estimate(self, m: Any, c: Any, cached: Any, now: float, rate: float, prompt: int, best_cached: float,
-                  mean_work: float, scale: float) -> Any:
+    def _estimate(self, m: Any, c: Any, cached: Any, reloaded: Any, now: float, rate: float, prompt: int,
+                  best_cached: float, mean_work: float, scale: float) -> Any:
         """The estimate of the module's docstring for a pod (``c``: its ``LoadCounter``; ``m``:
-        ``_PLAIN``), or for every pod at once (``c``: their ``Loads``; ``m``: numpy)."""
+        ``_PLAIN``), or for every pod at once (``c``: their ``Loads``; ``m``: numpy).
+        ``best_cached``: the most prompt tokens any pod holds, GPU and CPU tier together."""
         # what is left of the queue: FIFO work draining since, cut short by first tokens
         drained = c.backlog - (now - c.backlog_at) * rate
         queued = m.maximum(m.minimum(drained, c.sent_work - c.done_work), 0.0)  # 0 with none queued
-        uncached = prompt - cached
-        work = queued + m.maximum(uncached, 1) + c.foreign_waiting * mean_work
-        over = m.maximum(uncached - c.room, 0.0)  # the in-use tokens its new ones push out
-        copy = self.copy_weight * (best_cached - cached) + self.evict_weight * m.minimum(over, uncached)
+        uncached = prompt - cached - reloaded
+        work = queued + m.maximum(uncached, 1) + self.reload_work * reloaded + c.foreign_waiting * mean_work
+        stored = uncached + reloaded  # GPU blocks the request fills: computed or loaded back
+        over = m.maximum(stored - c.room, 0.0)  # the in-use tokens its new ones push out
+        copy = self.copy_weight * (best_cached - cached - reloaded) + self.evict_weight * m.minimum(over, stored)
         decoding = c.in_flight - c.prefilling + c.foreign_running
         return (work + copy + (1 + work // self.batch_tokens) * (self.step_tokens + decoding * self.decode_tokens)) * scale
 
