@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvflow.errors import KvflowError, ModelNotFoundError, NoCapacityError, RateLimitError, UpstreamError
+from kvflow.errors import KvflowError, NoCapacityError, RateLimitError, UpstreamError, from_exception
 from kvflow.gateway.app import Gateway
 from kvflow.gateway.batch.lines import ENDPOINTS, encode_body
 from kvflow.gateway.body import client_kv_params
@@ -65,18 +65,25 @@ class Prepared:
 
 
 def prepare(gateway: Gateway, endpoint: str, request: bytes, request_id: str) -> Prepared | Answer:
-    """The line's pool, or the 400/404 answer a client would get for its body."""
-    body = _decoder.decode(request)
+    """The line's pool, or the answer a client would get for its body (400, 404); never raises.
+
+    The model is found as an interactive request's is (``Gateway._pool_of``: a body without one
+    goes to a gateway's only pool), so a line is accepted exactly when the same body would be.
+    """
     try:
+        body = _decoder.decode(request)
         validate(ENDPOINTS[endpoint], body)
         changed = client_kv_params(body, gateway.config.client_kv_transfer_params)  # P/D is the gateway's own
-        found = gateway.names.get(body["model"])
-        if found is None:
-            raise ModelNotFoundError(body["model"])
-    except KvflowError as exc:
-        return Answer(exc.status, msgspec.json.encode(exc.body()), request_id)
-    pool, lora = found
+        pool, lora = gateway._pool_of(body)
+    except Exception as exc:  # a line's answer, never an exception out of the runner
+        return failed(exc, request_id)
     return Prepared(pool, lora, body, encode_body(body) if changed else request)
+
+
+def failed(exc: BaseException, request_id: str) -> Answer:
+    """The answer for a line that raised: ours keep their status, anything else is a 500."""
+    error = from_exception(exc)
+    return Answer(error.status, msgspec.json.encode(error.body()), request_id)
 
 
 async def run(gateway: Gateway, line: Prepared, endpoint: str, request_id: str) -> Answer:

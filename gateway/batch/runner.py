@@ -14,7 +14,12 @@ Three tasks, all on the gateway's event loop:
   replica's leases.
 
 A line whose pods cannot be reached (no healthy pod, 502) goes back to the database with a
-back-off and is tried again, up to ``max_attempts``; any other answer is its result.
+back-off and is tried again, up to ``max_attempts``; any other answer is its result. A line that
+raises anywhere on the way (a body the gateway cannot use, a bug) gets a 500 as its result: no
+line can stop the runner or stay claimed forever.
+
+Lines are claimed and started fairly between the keys that own batches (``fair``): one key's
+large batch does not make another key's lines wait behind it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +35,7 @@ from kvflow.endpoints import Role
 from kvflow.gateway.app import Gateway
 from kvflow.gateway.batch import execute
 from kvflow.gateway.batch.config import BatchConfig
+from kvflow.gateway.batch.fair import OwnerQueue, shares
 from kvflow.gateway.batch.lines import encode_body, error_line, parse_file, response_line
 from kvflow.gateway.batch.states import BatchRecord, Status
 from kvflow.gateway.batch.store import AsyncStore, Claimed, NewLine, Result
@@ -46,6 +51,7 @@ BACKLOG_MARGIN = 16
 @dataclass(slots=True)
 class _Waiting:
     claimed: Claimed
+    owner: str
     endpoint: str
     line: execute.Prepared
 
@@ -56,13 +62,15 @@ class BatchRunner:
         self.gateway, self.store, self.config, self.replica, self.clock = gateway, store, config, replica, clock
         self.limits = config.limits()
         self.watches = {model: InteractiveWatch(self.limits.quiet_s) for model in gateway.pools}
-        self.backlog: dict[str, deque[_Waiting]] = {model: deque() for model in gateway.pools}
+        self.backlog: dict[str, OwnerQueue[_Waiting]] = {model: OwnerQueue() for model in gateway.pools}
         self.inflight: dict[str, int] = {model: 0 for model in gateway.pools}
         self.caps: dict[str, tuple[int, object]] = {}
         """Per pod: its batch cap and the scrape it was last brought up to date with."""
         self.results: list[Result] = []
         self._more_to_claim = False
         """The last claim filled what was asked: the database may hold more for this replica."""
+        self._turn = 0
+        """Which owner is asked first in the next claim (it turns, so no owner always goes first)."""
         self._wake_control = asyncio.Event()
         self._wake_dispatch = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -94,12 +102,9 @@ class BatchRunner:
 
     def _drop(self, batch_id: str) -> list[int]:
         """Take the batch's lines that have not started out of the backlog; their indexes."""
-        dropped = []
+        dropped: list[int] = []
         for queue in self.backlog.values():
-            kept = [w for w in queue if w.claimed.batch_id != batch_id]
-            dropped += [w.claimed.index for w in queue if w.claimed.batch_id == batch_id]
-            queue.clear()
-            queue.extend(kept)
+            dropped += [w.claimed.index for w in queue.remove(lambda w: w.claimed.batch_id == batch_id)]
         return dropped
 
     # --- control: the database side ------------------------------------------------------
@@ -118,29 +123,39 @@ class BatchRunner:
     async def _survey(self) -> None:
         store = self.store.store
         now = self.clock()
-        live: dict[str, str] = {}
+        live: dict[str, tuple[str, str]] = {}
+        """Batches whose lines can be claimed, oldest first: id -> (owner, endpoint)."""
         for rec in await self.store.run(store.active):
-            if rec.status is Status.VALIDATING:
-                if await self._validate(rec):
-                    live[rec.id] = rec.endpoint  # its lines can be claimed right away
-            elif rec.status is Status.IN_PROGRESS and now >= rec.expires_at:
-                self._drop(rec.id)
-                await self.store.run(store.expire, rec.id, int(now))
-                await self._finalize(rec.id)
-            elif rec.status is Status.IN_PROGRESS:
-                live[rec.id] = rec.endpoint
-            elif rec.status is Status.CANCELLING:  # lines not started stay unrun; running ones finish
-                dropped = self._drop(rec.id)
-                if dropped:
-                    await self.store.run(store.release_lines, rec.id, self.replica, dropped)
-                if not await self.store.run(store.any_running, rec.id, now):
-                    await self._finalize(rec.id)
-            elif rec.status is Status.FINALIZING:
-                await self._finalize(rec.id)
+            try:
+                if await self._step(rec, now):
+                    live[rec.id] = (rec.owner, rec.endpoint)
+            except Exception:  # one batch's trouble must not hold up the others
+                log.exception("batch %s: step failed (%s); retrying", rec.id, rec.status)
         for batch_id in await self._claim(live):
             if (not await self.store.run(store.any_unfinished, batch_id)
                     and await self.store.run(store.to_finalizing, batch_id, int(now))):
                 await self._finalize(batch_id)
+
+    async def _step(self, rec: BatchRecord, now: float) -> bool:
+        """Move one batch on; whether its lines can be claimed now."""
+        store = self.store.store
+        if rec.status is Status.VALIDATING:
+            return await self._validate(rec)  # its lines can be claimed right away
+        if rec.status is Status.IN_PROGRESS and now >= rec.expires_at:
+            self._drop(rec.id)
+            await self.store.run(store.expire, rec.id, int(now))
+            await self._finalize(rec.id)
+        elif rec.status is Status.IN_PROGRESS:
+            return True
+        elif rec.status is Status.CANCELLING:  # lines not started stay unrun; running ones finish
+            dropped = self._drop(rec.id)
+            if dropped:
+                await self.store.run(store.release_lines, rec.id, self.replica, dropped)
+            if not await self.store.run(store.any_running, rec.id, now):
+                await self._finalize(rec.id)
+        elif rec.status is Status.FINALIZING:
+            await self._finalize(rec.id)
+        return False
 
     async def _validate(self, rec: BatchRecord) -> bool:
         """Read the batch's input file into lines; whether it is now in progress."""
@@ -168,28 +183,43 @@ class BatchRunner:
             if done is not None:
                 log.info("batch %s: %s (%d completed, %d failed)", batch_id, done.status, done.completed, done.failed)
 
-    async def _claim(self, live: dict[str, str]) -> list[str]:
-        """Keep the backlog at about what the bands could start now, from the oldest batches;
-        the batches that had no line left to claim (they may be done)."""
+    async def _claim(self, live: dict[str, tuple[str, str]]) -> list[str]:
+        """Keep the backlog at about what the bands could start now, that room shared evenly
+        between the owners with work (each owner's oldest batch first); the batches that had no
+        line left to claim (they may be done)."""
         store = self.store.store
-        exhausted = []
-        self._more_to_claim = False
-        for batch_id, endpoint in live.items():
-            want = self._wanted()
-            if want <= 0:
-                if not self._holding(batch_id):
-                    exhausted.append(batch_id)
-                continue
-            now = self.clock()
-            claimed = await self.store.run(store.claim, batch_id, self.replica, want, now + self.config.lease_s, now)
-            for c in claimed:
-                self._enqueue(c, endpoint)
-            if claimed:
-                self._wake_dispatch.set()
-            if len(claimed) < want:
-                exhausted.append(batch_id)
-            else:
-                self._more_to_claim = True
+        todo: dict[str, list[tuple[str, str]]] = {}
+        for batch_id, (owner, endpoint) in live.items():
+            todo.setdefault(owner, []).append((batch_id, endpoint))
+        order = list(todo)
+        self._turn += 1
+        turn = self._turn % len(order) if order else 0
+        todo = {owner: todo[owner] for owner in order[turn:] + order[:turn]}
+        exhausted: list[str] = []
+        asked: set[str] = set()
+        want = self._wanted()
+        while want > 0 and todo:  # each pass claims lines or uses a batch up: it ends
+            for owner, share in zip(list(todo), shares(want, len(todo)), strict=True):
+                batches = todo[owner]
+                while share > 0 and batches:
+                    batch_id, endpoint = batches[0]
+                    asked.add(batch_id)
+                    now = self.clock()
+                    claimed = await self.store.run(store.claim, batch_id, self.replica, share,
+                                                   now + self.config.lease_s, now)
+                    for c in claimed:
+                        self._enqueue(c, owner, endpoint)
+                    if claimed:
+                        self._wake_dispatch.set()
+                    if len(claimed) < share:
+                        exhausted.append(batch_id)
+                        batches.pop(0)
+                    share -= len(claimed)
+                    want -= len(claimed)
+                if not batches:
+                    del todo[owner]
+        self._more_to_claim = bool(todo)
+        exhausted += [b for b in live if b not in asked and not self._holding(b)]
         return exhausted
 
     def _holding(self, batch_id: str) -> bool:
@@ -201,12 +231,12 @@ class BatchRunner:
         backlog = sum(len(q) for q in self.backlog.values())
         return sum(self._room(pool) + BACKLOG_MARGIN for pool in self.gateway.pools.values()) - backlog
 
-    def _enqueue(self, claimed: Claimed, endpoint: str) -> None:
+    def _enqueue(self, claimed: Claimed, owner: str, endpoint: str) -> None:
         prepared = execute.prepare(self.gateway, endpoint, claimed.request, _request_id(claimed))
         if isinstance(prepared, execute.Answer):  # bad body or unknown model: its answer is its result
             self._finish(claimed, prepared)
             return
-        self.backlog[prepared.pool.model].append(_Waiting(claimed, endpoint, prepared))
+        self.backlog[prepared.pool.model].append(owner, _Waiting(claimed, owner, endpoint, prepared))
 
     # --- dispatch: the pods side ---------------------------------------------------------
 
@@ -277,23 +307,35 @@ class BatchRunner:
         try:
             answer = await execute.run(self.gateway, waiting.line, waiting.endpoint, request_id)
         except execute.Transient as exc:
-            if claimed.attempts >= self.config.max_attempts:
-                self._finish(claimed, exc.answer)
-            else:
-                delay = min(30.0, 2.0 ** (claimed.attempts - 1))
-                log.warning("batch %s line %d: %s; again in %gs", claimed.batch_id, claimed.index, exc, delay)
-                await self.store.run(self.store.store.release, claimed.batch_id, claimed.index, self.replica,
-                                     self.clock() + delay)
+            await self._retry_later(claimed, exc)
+        except Exception as exc:  # a bug on the line's way: its result, never a line held forever
+            log.exception("batch %s line %d failed", claimed.batch_id, claimed.index)
+            self._finish(claimed, execute.failed(exc, request_id))
         else:
             self._finish(claimed, answer)
         finally:
             self.inflight[waiting.line.pool.model] -= 1
             self._wake_dispatch.set()
 
+    async def _retry_later(self, claimed: Claimed, exc: execute.Transient) -> None:
+        if claimed.attempts >= self.config.max_attempts:
+            self._finish(claimed, exc.answer)
+            return
+        delay = min(30.0, 2.0 ** (claimed.attempts - 1))
+        log.warning("batch %s line %d: %s; again in %gs", claimed.batch_id, claimed.index, exc, delay)
+        try:
+            await self.store.run(self.store.store.release, claimed.batch_id, claimed.index, self.replica,
+                                 self.clock() + delay)
+        except Exception:  # not given back: its last answer is its result rather than a lost line
+            log.exception("batch %s line %d: could not be given back", claimed.batch_id, claimed.index)
+            self._finish(claimed, exc.answer)
+
     def _finish(self, claimed: Claimed, answer: execute.Answer) -> None:
         line = response_line(claimed.batch_id, claimed.index, claimed.custom_id, answer.status, answer.request_id,
                              answer.body)
-        self.results.append(Result(claimed.batch_id, claimed.index, 200 <= answer.status < 300, line))
+        ok = 200 <= answer.status < 300
+        self.results.append(Result(claimed.batch_id, claimed.index, ok, line))
+        self.gateway.metrics.count(self.gateway.metrics.batch_lines, "completed" if ok else "failed")
 
     # --- commit: results and leases ------------------------------------------------------
 
