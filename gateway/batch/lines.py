@@ -77,8 +77,10 @@ def parse_line(index: int, line_no: int, raw: bytes, endpoint: str) -> InputLine
         return _bad(index, line_no, custom_id, "invalid_url", f"url must be the batch's endpoint {endpoint}, not {url!r}")
     if not isinstance(body, dict):
         return _bad(index, line_no, custom_id, "invalid_body", "body must be a JSON object")
-    if body.get("stream") is True:
-        return _bad(index, line_no, custom_id, "invalid_body", "stream is not supported in a batch")
+    stream = body.get("stream")
+    if stream is not None and stream is not False:  # 1, "yes": not false, so not a batch line either
+        why = "stream is not supported in a batch" if stream is True else f"stream must be a boolean, not {stream!r}"
+        return _bad(index, line_no, custom_id, "invalid_body", why)
     return InputLine(index, line_no, custom_id, body)
 
 

@@ -128,16 +128,25 @@ def file_object(rec: FileRecord) -> dict[str, Any]:
             "expires_at": None, "status_details": None}
 
 
-_WINDOW = re.compile(r"^(\d+)(h|d)$")
+_WINDOW = re.compile(r"(\d+)(h|d)")
+MAX_WINDOW_S = 366 * 86400
+"""The longest window taken: a year (and a leap day). Longer ones would outlive any deployment,
+and unbounded digits would not fit the store's 64-bit integers."""
 
 
 def window_seconds(window: Any) -> int:
-    """``completion_window`` in seconds: OpenAI accepts ``24h``; kvflow also takes other hours or days."""
-    match = _WINDOW.match(window) if isinstance(window, str) else None
-    if match is None or int(match[1]) == 0:
-        raise InvalidRequestError(f"completion_window must look like '24h', not {window!r}",
+    """``completion_window`` in seconds: OpenAI accepts ``24h``; kvflow also takes other hours or days,
+    up to ``MAX_WINDOW_S``."""
+    match = _WINDOW.fullmatch(window) if isinstance(window, str) else None
+    if match is None or not match[1].strip("0"):
+        raise InvalidRequestError(f"completion_window must look like '24h', not {str(window)[:40]!r}",
                                   param="completion_window")
-    return int(match[1]) * (3600 if match[2] == "h" else 86400)
+    digits = match[1].lstrip("0")
+    seconds = int(digits) * (3600 if match[2] == "h" else 86400) if len(digits) <= 9 else MAX_WINDOW_S + 1
+    if seconds > MAX_WINDOW_S:
+        raise InvalidRequestError(f"completion_window must be at most 366d, not {window[:40]!r}",
+                                  param="completion_window")
+    return seconds
 
 
 def check_metadata(metadata: Any) -> dict[str, str] | None:

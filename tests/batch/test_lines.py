@@ -33,8 +33,10 @@ def test_a_well_formed_line_is_a_request() -> None:
     (line(url="/v1/chat/completions"), "a", "invalid_url"),
     (line(body="prompt"), "a", "invalid_body"),
     (line(body={"model": "m", "prompt": "x", "stream": True}), "a", "invalid_body"),
+    (line(body={"model": "m", "prompt": "x", "stream": 1}), "a", "invalid_body"),
+    (line(body={"model": "m", "prompt": "x", "stream": "true"}), "a", "invalid_body"),
 ], ids=["not-json", "not-an-object", "empty-custom-id", "no-custom-id", "get", "other-endpoint", "body-not-object",
-        "stream"])
+        "stream", "stream-as-1", "stream-as-a-string"])
 def test_a_line_that_cannot_run_carries_its_error_and_custom_id(raw: bytes, custom_id: str | None, code: str) -> None:
     parsed = parse_line(3, 7, raw, EP)
     assert (parsed.custom_id, parsed.body) == (custom_id, None)

@@ -65,14 +65,21 @@ def test_the_file_object_parses_as_the_sdks_file() -> None:
     assert (f.id, f.bytes, f.filename, f.purpose) == ("file-1", 12, "in.jsonl", "batch")
 
 
-@pytest.mark.parametrize(("window", "seconds"), [("24h", 86400), ("1h", 3600), ("2d", 172800)])
+@pytest.mark.parametrize(("window", "seconds"), [("24h", 86400), ("1h", 3600), ("2d", 172800), ("366d", 366 * 86400)])
 def test_completion_windows(window: str, seconds: int) -> None:
     assert window_seconds(window) == seconds
 
 
-@pytest.mark.parametrize("window", ["24", "0h", "1w", 24, None])
+@pytest.mark.parametrize("window", ["24", "0h", "1w", 24, None, "24h\n", " 24h"])
 def test_bad_completion_windows_are_a_400_naming_the_field(window: object) -> None:
     with pytest.raises(InvalidRequestError) as info:
+        window_seconds(window)
+    assert info.value.param == "completion_window"
+
+
+@pytest.mark.parametrize("window", ["367d", "8785h", "99999999999999999999d", "9" * 5000 + "h"])
+def test_windows_past_a_year_are_a_400_not_an_overflow(window: str) -> None:
+    with pytest.raises(InvalidRequestError, match="at most 366d") as info:
         window_seconds(window)
     assert info.value.param == "completion_window"
 
