@@ -51,8 +51,9 @@ OUT = ROOT / "bench" / "out"
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvflow bench routing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
-                   help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D")
+    p.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], choices=list(WORKLOADS),
+                   help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D, "
+                        "e / e-cpu: tiered prefix (more than GPU KV) without / with a CPU tier (default: a-d)")
     p.add_argument("--routers", nargs="+", default=list(routers.DEFAULT_ROUTERS),
                    help="kvflow[:PROFILE], kvflow-envoy[:PROFILE] (the router as ext_proc behind Envoy), "
                         "sglang:cache_aware|round_robin, vllm-router:cache_aware|round_robin|kv_aware, "

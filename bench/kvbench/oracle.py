@@ -149,6 +149,8 @@ class Clairvoyant:
         max_blocks = (len(prepared.token_ids) - 1) // bs
         hashes = prepared.hashes[:max_blocks]
         hit = len(sched.pool.longest_hit(hashes))
+        if sched.pool.offload is not None:  # a CPU hit counted as a GPU one: its reload is ~7 % of a prefill
+            hit += sched.pool.offload.lookup(hashes[hit:])
         for other in [*sched.waiting, *sched.running]:  # prefixes about to be cached
             if hit == len(hashes):
                 break
@@ -202,11 +204,13 @@ class ReplayResult:
     """The pod each trace request was sent to (-1: refused, or never sent)."""
 
 
-def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = False) -> Pod:
-    """An idle pod of the replay: the simulator's scheduler, ``num_blocks`` KV blocks, the
-    profile's token budget; ``events``: its pool records KV events."""
+def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = False, cpu_blocks: int = 0) -> Pod:
+    """An idle pod of the replay: the simulator's scheduler, ``num_blocks`` KV blocks (and a
+    CPU offload tier of ``cpu_blocks``), the profile's token budget; ``events``: its pool
+    records KV events."""
     config = SchedulerConfig(block_size=HASH.block_size, num_blocks=num_blocks,
-                             max_num_batched_tokens=profile.max_num_batched_tokens, kv_transfer=False)
+                             max_num_batched_tokens=profile.max_num_batched_tokens, kv_transfer=False,
+                             num_cpu_blocks=cpu_blocks)
     return Pod(index, Scheduler(config, _sampler(), enable_events=events))
 
 
@@ -222,12 +226,14 @@ class Lag:
 
 
 def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blocks: int,
-           prepared: Sequence[Prepared] | None = None, lag: Lag = Lag()) -> ReplayResult:
+           prepared: Sequence[Prepared] | None = None, lag: Lag = Lag(), cpu_blocks: int = 0) -> ReplayResult:
     """The trace on ``pods`` simulated pods, each request where ``policy`` picks it. A request's
-    TTFT is counted from its arrival at the pod's engine."""
+    TTFT is counted from its arrival at the pod's engine. ``cpu_blocks``: each pod's CPU
+    offload tier (``kvflow sim --kv-offloading-size``), 0 for none."""
     prepared = list(prepared) if prepared is not None else prepare(trace)
     observer: Observer | None = policy if hasattr(policy, "stepped") else None  # type: ignore[assignment]
-    fleet = [new_pod(i, profile, num_blocks, events=observer is not None) for i in range(pods)]
+    fleet = [new_pod(i, profile, num_blocks, events=observer is not None, cpu_blocks=cpu_blocks)
+             for i in range(pods)]
     n = len(prepared)
     ttft, finished = [math.nan] * n, [math.nan] * n
     arrival = [0.0] * n
@@ -336,7 +342,7 @@ ORACLE_WEIGHTS = (0.0, 1.0, 2.0, 4.0)
 
 def oracle_replay(trace: Trace, *, pods: int, profile: Profile, num_blocks: int,
                   prepared: Sequence[Prepared] | None = None,
-                  weights: Sequence[float] = ORACLE_WEIGHTS) -> tuple[ReplayResult, float]:
+                  weights: Sequence[float] = ORACLE_WEIGHTS, cpu_blocks: int = 0) -> tuple[ReplayResult, float]:
     """The oracle: the clairvoyant router with the capacity weight that gives this trace the
     lowest mean TTFT (and that weight). Pure TTFT-greedy (weight 0) starves later requests under
     load; charging the compute a choice takes fixes that, by how much depends on the load."""
@@ -344,7 +350,7 @@ def oracle_replay(trace: Trace, *, pods: int, profile: Profile, num_blocks: int,
     best: tuple[ReplayResult, float] | None = None
     for weight in weights:
         result = replay(trace, Clairvoyant(weight), pods=pods, profile=profile, num_blocks=num_blocks,
-                        prepared=prepared)
+                        prepared=prepared, cpu_blocks=cpu_blocks)
         if best is None or mean_ttft(result.ttft) < mean_ttft(best[0].ttft):
             best = (result, weight)
     assert best is not None
@@ -441,13 +447,14 @@ def _later_turns(trace: Trace) -> list[int]:
 
 
 def saturation_rate(make_trace: Callable[[float, float], Trace], duration: float, *, pods: int, profile: Profile,
-                    num_blocks: int, knee: float = 3.0, limit: float = 200.0) -> float:
+                    num_blocks: int, knee: float = 3.0, limit: float = 200.0, cpu_blocks: int = 0) -> float:
     """The request rate where round-robin saturates on the replay: the first rate (doubling from
     2 req/s, then bisection) whose mean TTFT exceeds ``knee`` times the mean at 1 req/s.
     ``make_trace(rate, duration)`` builds the workload's trace."""
 
     def mean_ttft(rate: float, seconds: float) -> float:
-        result = replay(make_trace(rate, seconds), RoundRobin(), pods=pods, profile=profile, num_blocks=num_blocks)
+        result = replay(make_trace(rate, seconds), RoundRobin(), pods=pods, profile=profile, num_blocks=num_blocks,
+                        cpu_blocks=cpu_blocks)
         done = [t for t in result.ttft if not math.isnan(t)]
         return sum(done) / len(done) if done else math.inf
 

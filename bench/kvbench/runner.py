@@ -77,7 +77,8 @@ def saturation(workload: Workload, seed: int, duration: float) -> float:
     # P/D: prefill is the bottleneck, so round-robin over as many aggregated pods as prefill pods
     pods = workload.prefill_pods or workload.decode_pods
     sat = oracle.saturation_rate(lambda r, d: workload.trace(r, d, seed), duration, pods=pods,
-                                 profile=get_profile(SIM_PROFILE), num_blocks=workload.num_blocks)
+                                 profile=get_profile(SIM_PROFILE), num_blocks=workload.num_blocks,
+                                 cpu_blocks=workload.cpu_blocks)
     return round(sat, 1)
 
 
@@ -92,12 +93,13 @@ def replay_rows(workload: Workload, trace: Trace) -> tuple[list[report.Row], tup
     if workload.pd:  # the replay models aggregated pods only
         return rows, ()
     best, _ = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile,
-                                   num_blocks=workload.num_blocks, prepared=prepared)
+                                   num_blocks=workload.num_blocks, prepared=prepared, cpu_blocks=workload.cpu_blocks)
     results = [(report.ORACLE, best)]
     for policy, name in ((oracle.RoundRobin(), report.REPLAY_RR),
                          (KvflowReplay(workload.decode_pods, workload.num_blocks), report.REPLAY_KVFLOW)):
         results.append((name, oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile,
-                                            num_blocks=workload.num_blocks, prepared=prepared)))
+                                            num_blocks=workload.num_blocks, prepared=prepared,
+                                            cpu_blocks=workload.cpu_blocks)))
     for name, res in results:
         rows.append(report.replay_row(workload.name, name, trace.rate, res.ttft, hit_rate=res.hit_rate,
                                       requests_per_pod=res.requests_per_pod))
@@ -173,7 +175,7 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
         with ProcessGroup(log_dir) as group:
             fleet = await asyncio.to_thread(podlib.start_pods, group, decode=workload.decode_pods,
                                             prefill=workload.prefill_pods, num_blocks=workload.num_blocks,
-                                            profile=SIM_PROFILE)
+                                            profile=SIM_PROFILE, extra=offload_args(workload))
             await podlib.warm(fleet, vocabulary)
             if spec.kind == routers.ORACLE:
                 for rate in rates:
@@ -204,6 +206,16 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
                                                   fleet, opts))
     outcome.rows = [replace(r, seed=opts.seed) for r in outcome.rows]
     return outcome
+
+
+def offload_args(workload: Workload) -> tuple[str, ...]:
+    """The pods' ``--kv-offloading-size`` for the workload's CPU tier (none without one): the
+    GiB that holds exactly ``cpu_blocks`` of the profile's blocks."""
+    if not workload.cpu_blocks:
+        return ()
+    block_bytes = oracle.HASH.block_size * get_profile(SIM_PROFILE).kv_bytes_per_token
+    gib = (workload.cpu_blocks * block_bytes + block_bytes // 2) / (1 << 30)
+    return ("--kv-offloading-size", repr(gib), "--kv-offloading-backend", "native")
 
 
 def words(traces: Iterable[Trace]) -> str:

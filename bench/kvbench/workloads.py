@@ -162,6 +162,8 @@ class Workload:
     """KV blocks per pod (16 tokens each): small enough that no pod holds every prefix."""
     params: tuple[tuple[str, object], ...] = ()
     """The shape's keyword arguments where they differ from its defaults (sizes, counts)."""
+    cpu_blocks: int = 0
+    """Blocks of each pod's CPU offload tier (``kvflow sim --kv-offloading-size``); 0: none."""
 
     @property
     def pd(self) -> bool:
@@ -175,6 +177,12 @@ class Workload:
         return SHAPES[self.shape](rate, duration, seed, **dict(self.params))
 
 
+TIERED = (("groups", 48), ("per_group", 4), ("system_len", 4000), ("question_len", 200), ("output_len", 32))
+"""llm-d's tiered-prefix-cache benchmark, scaled: many groups of long system prompts whose total
+(48 x 4,000 tokens = 12,000 blocks) exceeds the four pods' GPU KV (4 x 2,400 blocks); with
+offloading (``e-cpu``) each pod's CPU tier (16,000 blocks: 31 GiB at h100-llama8b's 2 MiB a
+block) holds all of them."""
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -182,6 +190,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("b", "zipf-tenants"),
         Workload("c", "multi-turn"),
         Workload("d", "shared-prefix", decode_pods=2, prefill_pods=2),
+        Workload("e", "shared-prefix", params=TIERED),
+        Workload("e-cpu", "shared-prefix", params=TIERED, cpu_blocks=16000),
     )
 }
 SMOKE = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
@@ -198,4 +208,6 @@ DESCRIPTIONS = {
     "b": "skewed multi-tenant (48 Zipf tenants, 2000-7000 + 300-1000 tokens)",
     "c": "multi-turn chat (5 turns, growing history)",
     "d": "shared prefix with P/D (2 prefill + 2 decode pods)",
+    "e": "tiered prefix (48 groups x 4 prompts, 4000+200 tokens, more than GPU KV), no offloading",
+    "e-cpu": "tiered prefix (48 groups x 4 prompts, 4000+200 tokens), 16000-block CPU tier per pod",
 }

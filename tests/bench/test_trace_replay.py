@@ -134,3 +134,19 @@ def test_the_synthetic_mooncake_trace_replays_on_the_oracle() -> None:
     result = oracle.replay(trace, oracle.RoundRobin(), pods=2, profile=get_profile("h100-llama8b"),
                            num_blocks=2400, prepared=prepared)
     assert not any(math.isnan(t) for t in result.ttft)
+
+
+def test_the_tiered_workloads_pods_get_a_cpu_tier_of_exactly_its_blocks() -> None:
+    from kvbench.runner import offload_args
+    from kvbench.workloads import WORKLOADS
+
+    from kvflow.sim.cli import num_cpu_blocks
+
+    assert offload_args(WORKLOADS["e"]) == ()
+    flag, gib, backend, native = offload_args(WORKLOADS["e-cpu"])
+    assert (flag, backend, native) == ("--kv-offloading-size", "--kv-offloading-backend", "native")
+    assert num_cpu_blocks(float(gib), 16, get_profile("h100-llama8b").kv_bytes_per_token) == 16000
+    e = WORKLOADS["e"]
+    working_set = dict(e.params)["groups"] * dict(e.params)["system_len"] // 16  # type: ignore[operator]
+    assert working_set > e.decode_pods * e.num_blocks  # the prompts do not fit the GPUs
+    assert WORKLOADS["e-cpu"].cpu_blocks >= working_set  # they fit one pod's CPU tier
