@@ -58,6 +58,10 @@ class GatewayMetrics:
         self._queued = Gauge("kvflow_gateway_queued_requests", "Requests waiting for a slot.", by_model, registry=r)
         self._held = Gauge("kvflow_gateway_held_requests", "Requests waiting for the model's first ready pod "
                            "(scaled to zero, or starting).", by_model, registry=r)
+        self.batch_lines = Counter("kvflow_gateway_batch_lines", "Batch API lines finished, by result "
+                                   "(completed or failed).", ["result"], registry=r)
+        self.batch_in_flight = Gauge("kvflow_gateway_batch_lines_in_flight", "Batch API lines being served.",
+                                     by_model, registry=r)
         self.http_refusals: dict[str, int] = {}
         """The HTTP server's own counts (connections closed and requests refused by its limits, by
         reason), read into ``kvflow_gateway_http_refusals`` when rendered."""

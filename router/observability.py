@@ -61,6 +61,8 @@ class RouterMetrics:
             "kvflow_router_endpoint_in_flight", "Requests in flight", ["pool", "endpoint"], registry=r
         )
         self.healthy = Gauge("kvflow_router_endpoint_healthy", "1 if routable", ["pool", "endpoint"], registry=r)
+        self.ejections = Counter("kvflow_router_ejections", "Pods taken out of rotation for failing requests that "
+                                 "others served (passive health)", ["pool", "endpoint"], registry=r)
         self.kv_events = Counter(
             "kvflow_router_kv_events", "KV events applied", ["pool", "endpoint", "type"], registry=r
         )
@@ -68,6 +70,12 @@ class RouterMetrics:
             "kvflow_router_kv_event_problems",
             "KV-event batches dropped as malformed (bad_batch) and subscriber restarts (restart)",
             ["pool", "endpoint", "kind"],
+            registry=r,
+        )
+        self.kv_event_lag = Gauge(
+            "kvflow_router_kv_event_lag_seconds",
+            "From a pod stamping its last KV-event batch to the router applying it",
+            ["pool", "endpoint"],
             registry=r,
         )
         self.index_blocks = Gauge(

@@ -127,9 +127,10 @@ def test_dashboard_variables_come_from_vllm_metric_labels() -> None:
     assert set(queries) == {"namespace", "model"}
     assert all(re.match(r"label_values\(vllm:", q) for q in queries.values())
     for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            assert 'namespace="$namespace"' in target["expr"] and 'model_name=~"$model"' in target["expr"]
-            assert "kube_" not in target["expr"]
+        for target in panel.get("targets", []):  # (rows have none)
+            assert 'namespace="$namespace"' in target["expr"] and "kube_" not in target["expr"]
+            if "vllm:" in target["expr"]:  # kvflow's own series: tests/core/test_dashboard_queries.py
+                assert 'model_name=~"$model"' in target["expr"]
     golden = (ROOT / "tests" / "golden" / "vllm_metrics.txt").read_text()
     assert 'vllm:num_requests_running{engine="0",model_name="tiny-llama"}' in golden  # real vLLM has the label
 
