@@ -31,8 +31,7 @@ from kvflow.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvflow.gateway.pd import decode_body, encode, prefill
 from kvflow.gateway.pools import Pool, PoolRouter, build_pool, build_router
 from kvflow.gateway.proxy import (
-    AttemptFailed, Exchange, Upstream, first_byte_timeout, send_error, send_json, stream_response, try_targets,
-    whole_response,
+    AttemptFailed, Exchange, Upstream, send_error, send_json, stream_response, try_targets, whole_response,
 )
 from kvflow.gateway.validation import validate
 from kvflow.router import status_api
@@ -209,6 +208,8 @@ class Gateway:
             refresh = getattr(pool.router, "refresh_gauges", None)  # the router's routable pods, in flight
             if refresh is not None:
                 refresh()
+        for model, n in getattr(getattr(self.batch_service, "runner", None), "inflight", {}).items():
+            self.metrics.batch_in_flight.labels(model).set(n)
         routers = [getattr(getattr(p.router, "metrics", None), "registry", None) for p in self.pools.values()]
         if self.http is not None:
             self.metrics.http_refusals = self.http.counts
@@ -293,7 +294,6 @@ class Gateway:
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
                      lora: str | None) -> None:
         router = pool.router
-        first_byte = first_byte_timeout(self.upstream.timeouts, body, batch=ex.mode == "batch")  # before mode is set
         tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
         sreq = scheduling_request(body, request.headers, tokens, request_id=ex.request_id,
                                   names=self.pool_names[pool.model], max_prompt_tokens=router.max_prompt_tokens)
@@ -317,7 +317,7 @@ class Gateway:
 
             answer = await try_targets(self.upstream, ex, result.targets[: self._attempts], request.path, payload,
                                        upstream_headers, stream=body.get("stream") is True,
-                                       on_attempt=flight.send, on_failure=failed, first_byte=first_byte)
+                                       on_attempt=flight.send, on_failure=failed)
             if answer.first_chunk is None:
                 flight.first_token(observe=False)  # the whole answer at once: no time to first token
                 whole_response(out, ex, answer)
