@@ -121,16 +121,18 @@ async def test_bodies_beyond_the_shared_budget_get_503_and_the_budget_frees_when
     gate: asyncio.Event = asyncio.Event()
 
     async def holding() -> AsyncIterator[pb.ProcessingRequest]:
-        yield headers(content_length=600_000)
-        yield body(b"x" * 1000, end=False)
-        await gate.wait()  # the first body stays half-received
+        buffered = headers(content_length=600_000)
+        buffered.protocol_config.request_body_mode = 2  # BUFFERED: Envoy waits for an answer to the headers
+        yield buffered
+        await gate.wait()  # the first body is announced and never comes
 
     first = stub.Process(holding())
+    assert (await first.read()).WhichOneof("response") == "request_headers"  # admitted: 600 KB held
     second = await client.exchange(headers(content_length=600_000), body(b'{"model":"m"}'))
     status, error, retry = refusal(second)
     assert (status, error["type"], retry.get("retry-after")) == (503, "ServiceUnavailableError", "1")
     gate.set()  # the first request's stream ends: the server has given its bytes back once the call is over
-    assert [r async for r in first] == []
+    assert await first.read() is grpc.aio.EOF
     raw = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
     out = await client.exchange(headers(len(raw)), body(raw))
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
