@@ -97,7 +97,8 @@ def test_desired_replicas(case: str) -> None:
 
 
 def service(**spec_changes: Any) -> LLMService:
-    body = yaml.safe_load((SAMPLES / "sim.yaml").read_text())
+    body = yaml.safe_load((SAMPLES / "sim-pd.yaml").read_text())
+    body["metadata"]["name"] = "sim-llm"
     body["metadata"]["uid"] = "u-1"
     for field, value in spec_changes.items():  # one level of merging is enough here
         current = body["spec"].get(field)
@@ -202,9 +203,9 @@ def test_status_conditions_keep_their_transition_time() -> None:
     observed = running(render(svc))
     decided = plan(svc, render(svc), observed)
     first = status.compute(svc, decided, observed, now="2026-01-01T00:00:00Z", previous={})
-    assert first["phase"] == "Ready" and first["decode"]["summary"] == "2/2"
+    assert first["phase"] == "Ready" and first["pools"]["decode"]["summary"] == "2/2"
     later = status.compute(svc, decided, observed, now="2026-01-01T01:00:00Z", previous=first)
-    assert [c["lastTransitionTime"] for c in later["conditions"]] == ["2026-01-01T00:00:00Z"] * 4
+    assert [c["lastTransitionTime"] for c in later["conditions"]] == ["2026-01-01T00:00:00Z"] * 6
     assert status.transition_events(first, later) == []
 
 
@@ -308,16 +309,16 @@ def test_pods_that_cannot_come_up_are_named_by_pool_and_reason() -> None:
          "message": 'ReplicaSet "llm-gateway-7" has timed out progressing.'}]}}
     found = problems(pods, [stalled])
     assert [(p.component, p.reason, p.pods) for p in found] == [
-        ("prefill", "Unschedulable", ("llm-prefill-a",)),
+        ("prefill", "InsufficientAccelerators", ("llm-prefill-a",)),  # the scheduler names a device
         ("decode", "ErrImagePull", ("llm-decode-a",)),
         ("decode", "ImagePullBackOff", ("llm-decode-b", "llm-decode-c")),
         ("router", "CrashLoopBackOff", ("llm-router-a",)),
         ("gateway", "ProgressDeadlineExceeded", ()),
     ]
     reason, message = summary(found)  # type: ignore[misc]
-    assert reason == "Unschedulable"
+    assert reason == "InsufficientAccelerators"
     assert message.split("; ") == [
-        "prefill pool: pod llm-prefill-a cannot be scheduled (Unschedulable): "
+        "prefill pool: pod llm-prefill-a cannot be scheduled (InsufficientAccelerators): "
         "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
         "decode pool: pod llm-decode-a cannot pull the image (ErrImagePull): not found",
         'decode pool: 2 pods (llm-decode-b, ...) cannot pull the image (ImagePullBackOff): Back-off pulling image "x"',
@@ -363,3 +364,23 @@ def test_the_reconcile_path_reads_only_the_injected_clocks() -> None:
                     if (owner, func.attr) in clocks and function.name != "wall_time":
                         found.append(f"{module}.{function.name}: {owner}.{func.attr}()")
     assert found == []
+
+
+def test_each_pool_has_a_condition_naming_why_it_is_not_ready() -> None:
+    from kvflow.operator.health import problems
+
+    svc = service()
+    observed = {key(o): o for o in render(svc)}
+    pods = [pod_with("sim-llm-prefill-a", "prefill", unschedulable="0/2 nodes are available: 2 Insufficient amd.com/gpu."),
+            pod_with("sim-llm-decode-a", "decode", waiting="CrashLoopBackOff", message="back-off")]
+    decided = plan(svc, render(svc), observed)
+    now = "2026-01-01T00:00:00Z"
+    out = status.compute(svc, decided, observed, now=now, previous={}, problems=problems(pods, []),
+                         stuck={"decode": "decode pod x ran requests without generating a token"})
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in out["conditions"]}
+    assert conditions["PrefillPoolReady"] == ("False", "InsufficientAccelerators")
+    assert conditions["DecodePoolReady"] == ("False", "CrashLoopBackOff")  # what the pods say comes first
+    healthy = status.compute(svc, decided, observed, now=now, previous={}, stuck={"decode": "pod x is stuck"})
+    assert {c["type"]: c["reason"] for c in healthy["conditions"]}["DecodePoolReady"] == "StuckEngine"
+    assert out["ready"] == "prefill 0/1, decode 0/2" and out["mode"] == "disaggregated"
+    assert out["profile"] == "default"

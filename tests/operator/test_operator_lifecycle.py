@@ -29,7 +29,8 @@ CHILDREN = {
 
 
 def sample(port: int) -> dict[str, Any]:
-    body: dict[str, Any] = yaml.safe_load((SAMPLES / "sim.yaml").read_text())
+    body: dict[str, Any] = yaml.safe_load((SAMPLES / "sim-pd.yaml").read_text())
+    body["metadata"]["name"] = NAME
     body["spec"]["engine"]["port"] = port
     body["spec"]["lifecycle"]["stuckAfterSeconds"] = 10
     return body
@@ -70,16 +71,17 @@ async def test_create_scale_update_stuck_delete_and_rbac(harness: Harness) -> No
                            "uid": uid, "controller": True, "blockOwnerDeletion": True}]
     await eventually(lambda: status(h).get("phase") == "Ready", what="phase Ready")
     ready = {c["type"]: c["status"] for c in status(h)["conditions"]}
-    assert ready == {"Ready": "True", "Progressing": "False", "Degraded": "False", "MetricsReachable": "True"}
+    assert ready == {"Ready": "True", "Progressing": "False", "Degraded": "False", "MetricsReachable": "True",
+                     "PrefillPoolReady": "True", "DecodePoolReady": "True"}
     assert status(h)["observedGeneration"] == 1
-    assert status(h)["decode"]["summary"] == "2/2"
+    assert status(h)["pools"]["decode"]["summary"] == "2/2"
     await eventually(lambda: events(h, "Ready"), what="a Ready event")
 
     # Scale: decode 2 -> 3 lands on the Deployment without touching the pod template.
     template_before = copy.deepcopy(deployment(h, "decode")["spec"]["template"])
     await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"decode": {"replicas": 3}}})
     await eventually(lambda: deployment(h, "decode")["spec"]["replicas"] == 3, what="decode replicas 3")
-    await eventually(lambda: status(h).get("decode", {}).get("summary") == "3/3", what="decode 3/3")
+    await eventually(lambda: status(h).get("pools", {}).get("decode", {}).get("summary") == "3/3", what="decode 3/3")
     await eventually(lambda: len(engine_pods(h, "decode")) == 3, what="3 decode pods")
     assert deployment(h, "decode")["spec"]["template"] == template_before
     assert status(h)["observedGeneration"] == 2
