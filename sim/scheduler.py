@@ -178,7 +178,8 @@ class Scheduler:
         req.num_computed = len(hit) * self.config.block_size
         local = req.num_computed
         cpu = self.pool.offload
-        if cpu is not None and self.config.enable_prefix_caching and not req.remote_pull_done:
+        pulls = self.config.kv_transfer and (req.wants_remote_prefill or req.remote_pull_done)
+        if cpu is not None and self.config.enable_prefix_caching and not pulls:  # (P/D with offloading: not modelled)
             # the OffloadingConnector: touch the prompt's blocks, then continue the GPU hit on CPU
             cpu.touch(hashes)
             req.reloading = cpu.lookup(hashes[len(hit):max_blocks]) * self.config.block_size
