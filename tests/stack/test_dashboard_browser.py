@@ -1,0 +1,130 @@
+"""The status page in a real browser: headless Chromium (Debian's, driven by Playwright) against
+`kvflow up` with decode and prefill pods, while traffic flows. What a person sees: every pod
+listed with its role, counts that move, plots drawn, and decisions whose explanation names the
+pod chosen and the prefill pod; never a prompt. A screenshot goes to the test's tmp dir and to
+bench/out/dashboard.png."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.stack.test_up import Stack, start_stack, stop_stack
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"]
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "the fox with the purple umbrella"
+"""Part of every prompt sent: the page must never show it."""
+LONG = f"{SECRET}, a prompt long enough for a prefill pod to compute it " * 30
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    running = start_stack(tmp_path, "--decode", "2", "--prefill", "1")
+    try:
+        yield running
+    finally:
+        stop_stack(running)
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed: `make test` installs Debian's with apt-get")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
+                                                       headless=True, args=FLAGS, viewport={"width": 1500, "height": 1400},
+                                                       bypass_csp=True)  # the page forbids eval; waits use it
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def send(url: str, prompt: str, *, stream: bool) -> None:
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 12, "stream": stream}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.read()
+
+
+def served(page) -> int:  # type: ignore[no-untyped-def]
+    """The requests the page says the pods served (the SERVED column, summed)."""
+    cells = page.locator("tr[data-pod] td:nth-child(12)").all_inner_texts()
+    return sum(int(c) for c in cells if c.isdigit())
+
+
+def test_the_status_page_shows_pods_traffic_and_why_each_request_went_where_it_did(stack: Stack, browser,  # type: ignore[no-untyped-def]
+                                                                                   tmp_path: Path) -> None:
+    status = json.loads(urllib.request.urlopen(f"{stack.url}/v1/kvflow/status", timeout=10).read())
+    pods = {p["id"]: p["role"] for p in status["models"][0]["pods"]}
+    assert sorted(pods.values()) == ["decode", "decode", "prefill"]
+
+    page = browser.new_page()  # type: ignore[attr-defined]
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{stack.url}/dashboard?interval=300")
+    page.wait_for_function("document.querySelectorAll('tr[data-pod]').length === 3")
+    rows = {r.get_attribute("data-pod"): r.locator("td").all_inner_texts() for r in page.locator("tr[data-pod]").all()}
+    assert {pod: cells[1] for pod, cells in rows.items()} == pods  # every pod, with its role
+    assert all(cells[2] == "healthy" for cells in rows.values())
+    before = served(page)
+
+    done = threading.Event()
+
+    def traffic() -> None:
+        try:
+            for i in range(12):  # streamed: the pods' TTFT and ITL; long prompts go P/D
+                send(stack.url, LONG if i % 3 == 0 else f"{SECRET} #{i}", stream=True)
+        finally:
+            done.set()
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    sender.start()
+    page.wait_for_function("[...document.querySelectorAll('tr.decision td:nth-child(3)')].some(td => td.textContent === 'pd')",
+                           timeout=60_000)
+    assert done.wait(60)
+    sender.join()
+    page.wait_for_function(f"""() => {{
+        const cells = [...document.querySelectorAll('tr[data-pod] td:nth-child(12)')].map(td => Number(td.textContent) || 0);
+        return cells.reduce((a, b) => a + b, 0) >= {before + 12};
+    }}""", timeout=30_000)
+    assert served(page) >= before + 12  # the numbers moved with the traffic
+    plotted = page.evaluate("({ttft: series.ttft, itl: series.itl, rate: series.rate})")  # what the plots drew
+    decoders = [pod for pod, role in pods.items() if role == "decode"]
+    for kind in ("ttft", "itl", "rate"):
+        points = [v for pod in decoders for v in plotted[kind][pod] if v is not None]
+        assert points and max(points) > 0, kind
+
+    decisions = page.locator("tr.decision").all()
+    assert decisions, "no decision shown"
+    for row in decisions:
+        cells = row.locator("td").all_inner_texts()
+        mode, pick, prefill, why = cells[2], cells[3], cells[4], cells[7]
+        assert pick in pods and pods[pick] == "decode"
+        assert why.startswith(f"{pick} picked")  # the explanation names the chosen pod
+        if mode == "pd":
+            assert pods[prefill] == "prefill" and f"prefill on {prefill}" in why
+        else:
+            assert prefill == "–" and "aggregated" in why
+    assert page.locator(".uplot").count() == 3  # TTFT, ITL and request-rate plots drawn
+    assert SECRET not in page.content()  # no prompt text anywhere on the page
+    assert not errors, errors
+
+    shot = tmp_path / "dashboard.png"
+    page.screenshot(path=str(shot), full_page=True)
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shot, out / "dashboard.png")
+    assert shot.stat().st_size > 10_000
