@@ -42,7 +42,7 @@ from pathlib import Path
 from kvbench import report, routers
 from kvbench.runner import Options, Outcome, bench_workload, saturation_row_rate
 from kvbench import traces
-from kvbench.workloads import TRACE_SHAPE, WORKLOADS, Workload, describe
+from kvbench.workloads import WORKLOADS, describe
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -65,19 +65,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="workload seeds (traces); with several, a last table gives the means over seeds "
                         "(default: %(default)s)")
-    t = p.add_argument_group("trace replay")
-    t.add_argument("--trace", type=Path, default=None, metavar="FILE",
-                   help="replay a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids) "
-                        "instead of --workloads")
-    t.add_argument("--trace-scale", type=float, default=0.0625,
-                   help="multiply the trace's token counts (its 512-token blocks too; default %(default)s)")
-    t.add_argument("--trace-output-scale", type=float, default=None, help="multiply output lengths (default: --trace-scale)")
-    t.add_argument("--trace-window", nargs=2, type=float, default=None, metavar=("START", "END"),
-                   help="replay only requests arriving in [START, END) seconds of trace time")
-    t.add_argument("--trace-speedup", type=float, default=None,
-                   help="compress the trace's time by this factor (one rate; default: the rate search's rates)")
-    t.add_argument("--trace-pods", type=int, default=4, help="pods for the trace (default %(default)s)")
-    t.add_argument("--trace-num-blocks", type=int, default=2400, help="KV blocks per pod for the trace (default %(default)s)")
+    traces.add_arguments(p)
     p.add_argument("--out", type=Path, default=OUT, help="where the PNGs and routing.json go")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--nice", type=int, default=-5 if os.geteuid() == 0 else 0,
@@ -102,24 +90,13 @@ def print_outcome(outcome: Outcome) -> None:
         print(f"skipped {skipped}")
 
 
-def trace_workload(args: argparse.Namespace) -> tuple[Workload, tuple[float, ...]]:
-    """The ``--trace`` workload, and its one rate when ``--trace-speedup`` fixes it."""
-    start, end = args.trace_window if args.trace_window else (0.0, None)
-    window = traces.TraceWindow(args.trace.name, traces.load(args.trace), scale=args.trace_scale,
-                                output_scale=args.trace_output_scale, start_s=start, end_s=end)
-    if not window.window():
-        raise ValueError(f"{window.describe()}: no requests in the window")
-    rates = (round(window.natural_rate() * args.trace_speedup, 3),) if args.trace_speedup else tuple(args.rates)
-    return Workload("trace", TRACE_SHAPE, decode_pods=args.trace_pods, num_blocks=args.trace_num_blocks,
-                    params=(("window", window),)), rates
-
-
 async def main_async(args: argparse.Namespace) -> list[Outcome]:
     for name in args.routers:
         routers.RouterSpec.parse(name)  # a typo fails before any pod starts
     workloads = [(WORKLOADS[name], tuple(args.rates)) for name in args.workloads]
     if args.trace is not None:
-        workloads = [trace_workload(args)]
+        trace, rates = traces.workload(args)
+        workloads = [(trace, rates or tuple(args.rates))]
     outcomes = []
     for workload, rates in workloads:
         name = workload.name

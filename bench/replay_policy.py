@@ -1,6 +1,7 @@
 """kvflow's routing policy against the oracle on the replay, over several traces and fingerprint keys.
 
     python bench/replay_policy.py --workloads a b c [--seeds 0 1 2 3 4] [--secrets 3] [--lag 4,5]
+    python bench/replay_policy.py --trace ../shared/traces/mooncake-synthetic_trace.jsonl   # a trace instead
 
 For each workload and seed: round-robin's saturation rate on the replay (as ``kvflow bench
 routing`` finds it), the oracle there, and kvflow's default router deciding inside the replay
@@ -20,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from kvbench import oracle
+from kvbench import oracle, traces
 from kvbench.replay_kvflow import KvflowReplay, secret
 from kvbench.runner import SIM_PROFILE, saturation
 from kvbench.workloads import WORKLOADS, Workload
@@ -39,11 +40,11 @@ def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duratio
         trace = w.trace(rate, duration, seed)
         prepared = oracle.prepare(trace)
         best, _ = oracle.oracle_replay(trace, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
-                                       prepared=prepared)
+                                       prepared=prepared, cpu_blocks=w.cpu_blocks)
         for i in range(secrets):
             policy = KvflowReplay(w.decode_pods, w.num_blocks, secret=secret(i))
             result = oracle.replay(trace, policy, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
-                                   prepared=prepared, lag=lag)
+                                   prepared=prepared, lag=lag, cpu_blocks=w.cpu_blocks)
             out.append(oracle.mean_ttft(result.ttft) / oracle.mean_ttft(best.ttft))
     return out
 
@@ -65,14 +66,17 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--secrets", type=int, default=3, help="fingerprint keys per trace")
     p.add_argument("--lag", type=parse_lag, default=oracle.Lag(), help="TO,FROM in ms (default 0,0)")
+    traces.add_arguments(p)  # --trace FILE replaces --workloads
     args = p.parse_args()
     if args.secrets < 1:
         p.error("--secrets must be at least 1")
     print(f"kvflow default (replay) over the oracle, {len(args.seeds)} traces x {args.secrets} keys, "
           f"lag {args.lag.to_pod * 1e3:g} ms to the pods, {args.lag.from_pod * 1e3:g} ms back")
     print("| workload | mean | sd | min | max |\n|---|---:|---:|---:|---:|")
-    for name in args.workloads:
-        r = ratios(WORKLOADS[name], args.seeds, args.secrets, args.lag)
+    cases = [traces.workload(args)[0]] if args.trace else [WORKLOADS[name] for name in args.workloads]
+    for w in cases:
+        name = w.name
+        r = ratios(w, args.seeds, args.secrets, args.lag)
         sd = statistics.stdev(r) if len(r) > 1 else 0.0
         print(f"| ({name}) | {statistics.fmean(r):.3f} | {sd:.3f} | {min(r):.3f} | {max(r):.3f} |", flush=True)
 

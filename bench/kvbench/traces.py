@@ -25,6 +25,7 @@ the window, so several seeds are consecutive slices of the same trace.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -32,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.workloads import VOCAB, Trace, TraceRequest
+from kvbench.workloads import TRACE_SHAPE, VOCAB, Trace, TraceRequest, Workload
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -198,3 +199,33 @@ def replay(window: TraceWindow, rate: float, duration: float, seed: int = 0) -> 
         text = prompt(window, r, max_tokens=window.max_model_len - out)
         requests.append(TraceRequest(i, at, text, out, seed * 1_000_003 + i, f"h{r.hash_ids[0]}"))
     return Trace("trace", rate, duration, tuple(requests))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--trace`` options of the benchmarks that replay traces (``bench_routing``, ``replay_policy``)."""
+    t = p.add_argument_group("trace replay")
+    t.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="replay a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids) "
+                        "instead of --workloads")
+    t.add_argument("--trace-scale", type=float, default=0.0625,
+                   help="multiply the trace's token counts (its 512-token blocks too; default %(default)s)")
+    t.add_argument("--trace-output-scale", type=float, default=None, help="multiply output lengths (default: --trace-scale)")
+    t.add_argument("--trace-window", nargs=2, type=float, default=None, metavar=("START", "END"),
+                   help="replay only requests arriving in [START, END) seconds of trace time")
+    t.add_argument("--trace-speedup", type=float, default=None,
+                   help="compress the trace's time by this factor (one rate; default: the rate search's rates)")
+    t.add_argument("--trace-pods", type=int, default=4, help="pods for the trace (default %(default)s)")
+    t.add_argument("--trace-num-blocks", type=int, default=2400, help="KV blocks per pod for the trace (default %(default)s)")
+
+
+def workload(args: argparse.Namespace) -> tuple[Workload, tuple[float, ...]]:
+    """The ``--trace`` workload, and its one rate when ``--trace-speedup`` fixes it (else none:
+    the rate search picks them). Raises ValueError (OSError) for a bad trace or window."""
+    start, end = args.trace_window if args.trace_window else (0.0, None)
+    window = TraceWindow(args.trace.name, load(args.trace), scale=args.trace_scale,
+                         output_scale=args.trace_output_scale, start_s=start, end_s=end)
+    if not window.window():
+        raise ValueError(f"{window.describe()}: no requests in the window")
+    rates = (round(window.natural_rate() * args.trace_speedup, 3),) if args.trace_speedup else ()
+    return Workload("trace", TRACE_SHAPE, decode_pods=args.trace_pods, num_blocks=args.trace_num_blocks,
+                    params=(("window", window),)), rates
