@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                    help="workload seeds (traces); with several, a last table gives the means over seeds "
                         "(default: %(default)s)")
     traces.add_arguments(p)
+    p.add_argument("--llmservice", type=Path, default=None,
+                   help="take the kvflow rows' router config from `kvflow operator render` of this LLMService "
+                        "(its profile, plugins, block size, KV-event and P/D settings; the pool is the benchmark's)")
     p.add_argument("--out", type=Path, default=OUT, help="where the PNGs and routing.json go")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--nice", type=int, default=-5 if os.geteuid() == 0 else 0,
@@ -90,6 +93,26 @@ def print_outcome(outcome: Outcome) -> None:
         print(f"skipped {skipped}")
 
 
+def rendered_router_config(path: Path) -> dict[str, object]:
+    """The router config the operator renders for the (first) LLMService in ``path``, less the
+    pool it would watch on a cluster: what that service's router runs, for the kvflow rows."""
+    import yaml
+
+    from kvflow.operator.render import render_yaml
+    from kvflow.operator.spec import InvalidSpecError
+
+    try:
+        objs = list(yaml.safe_load_all(render_yaml(path.read_text())))
+    except (OSError, InvalidSpecError) as exc:
+        raise SystemExit(f"kvflow bench routing: --llmservice {path}: {exc}") from None
+    maps = [o for o in objs if o["kind"] == "ConfigMap" and "router.yaml" in o.get("data", {})]
+    if not maps:
+        raise SystemExit(f"kvflow bench routing: --llmservice {path}: no LLMService with kvflow's router in it")
+    config: dict[str, object] = yaml.safe_load(maps[0]["data"]["router.yaml"])
+    config.pop("pool", None)
+    return config
+
+
 async def main_async(args: argparse.Namespace) -> list[Outcome]:
     for name in args.routers:
         routers.RouterSpec.parse(name)  # a typo fails before any pod starts
@@ -97,12 +120,14 @@ async def main_async(args: argparse.Namespace) -> list[Outcome]:
     if args.trace is not None:
         trace, rates = traces.workload(args)
         workloads = [(trace, rates or tuple(args.rates))]
+    kvflow_config = rendered_router_config(args.llmservice) if args.llmservice else None
     outcomes = []
     for workload, rates in workloads:
         name = workload.name
         for seed in args.seeds:
             opts = Options(duration=args.duration, factors=tuple(args.factors), rates=rates, seed=seed,
-                           log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet)
+                           log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet,
+                           kvflow_config=kvflow_config)
             outcome = await bench_workload(workload, args.routers, opts)
             outcomes.append(outcome)
             print_outcome(outcome)

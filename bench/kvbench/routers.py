@@ -30,9 +30,10 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvflow.local.procs import free_port, kvflow_argv
 from kvflow.router.config import BUILTIN_PROFILES
@@ -163,44 +164,55 @@ class Process:
     gateway, or its router behind Envoy): warmed there as the pods are (no peer tokenizes)."""
 
 
-def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[Process]:
+def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
+              base: Mapping[str, Any] | None = None) -> list[Process]:
     """The router's processes for these pods, in the order to start them; clients reach the
     router at 127.0.0.1:``port``."""
     if spec.kind == ENVOY:
-        return envoy_stack(spec, pods, port, log_dir)
+        return envoy_stack(spec, pods, port, log_dir, base)
     url = f"http://127.0.0.1:{port}"
-    return [Process(spec.name.replace(" ", "-"), argv(spec, pods, port, log_dir), f"{url}/health",
+    return [Process(spec.name.replace(" ", "-"), argv(spec, pods, port, log_dir, base), f"{url}/health",
                     url if spec.kind == "kvflow" else None)]
 
 
-def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[Process]:
+def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
+                base: Mapping[str, Any] | None = None) -> list[Process]:
     """``kvflow router`` (ext_proc, plaintext on loopback) and an Envoy listening on ``port``
     that asks it for every request's pod, with the bootstrap kvflow renders for Envoy."""
     envoy = check(spec, sum(p.role == "prefill" for p in pods))
     assert envoy is not None
     grpc, metrics, admin = (free_port("127.0.0.1") for _ in range(3))
-    router = kvflow_argv("router", "--config", str(_config_file(pods, log_dir)), "--port", str(grpc),
+    router = kvflow_argv("router", "--config", str(_config_file(pods, log_dir, base)), "--port", str(grpc),
                          "--metrics-port", str(metrics), "--grpc-health-port", "0", "--no-secure-serving",
                          "--model", MODEL, "--log-level", "WARNING")
     bootstrap = log_dir / "envoy.json"
     bootstrap.write_text(json.dumps(render([Listener("127.0.0.1", port)], ("127.0.0.1", grpc),
                                            [p.endpoint for p in pods], admin=("127.0.0.1", admin))))
     return [
-        Process("kvflow-router", router + (["--profile", spec.policy] if spec.policy else []),
+        Process("kvflow-router", router + _profile(spec, base),
                 f"http://127.0.0.1:{metrics}/healthz", f"http://127.0.0.1:{metrics}"),
         Process("envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
                 f"http://127.0.0.1:{admin}/ready"),
     ]
 
 
-def _config_file(pods: Sequence[Pod], log_dir: Path) -> Path:
+def _config_file(pods: Sequence[Pod], log_dir: Path, base: Mapping[str, Any] | None = None) -> Path:
+    """The router config of a kvflow row: ``base`` (an LLMService's, as the operator renders it)
+    with its pool replaced by these pods, or the defaults."""
     config = log_dir / "router-config.json"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(json.dumps(router_config(pods)))
+    config.write_text(json.dumps({**(base or {}), **router_config(pods)}))
     return config
 
 
-def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> list[str]:
+def _profile(spec: RouterSpec, base: Mapping[str, Any] | None) -> list[str]:
+    if spec.policy:
+        return ["--profile", spec.policy]
+    return ["--profile", str(base["defaultProfile"])] if base and "defaultProfile" in base else []
+
+
+def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
+         base: Mapping[str, Any] | None = None) -> list[str]:
     """The command line of a one-process router for these pods, listening on
     127.0.0.1:``port`` (the live oracle has none: no process stands between the client and
     the pods)."""
@@ -212,10 +224,10 @@ def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path) -> lis
     prefill = [p for p in pods if p.role == "prefill"]
     if spec.kind == "kvflow":
         out = kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                          "--router-config", str(_config_file(pods, log_dir)), "--log-level", "WARNING")
+                          "--router-config", str(_config_file(pods, log_dir, base)), "--log-level", "WARNING")
         out += [a for p in decode for a in ("--endpoint", p.address)]
         out += [a for p in prefill for a in ("--prefill-endpoint", p.address)]
-        return out + (["--profile", spec.policy] if spec.policy else [])
+        return out + _profile(spec, base)
     exe = check(spec, len(prefill))
     assert exe is not None and spec.policy is not None
     metrics_port = str(free_port("127.0.0.1"))

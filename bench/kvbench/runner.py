@@ -16,9 +16,10 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -44,6 +45,9 @@ class Options:
     """Seconds a freshly started router gets before traffic (first scrapes, KV-event subscriptions)."""
     log_dir: Path = Path(".kvflow/bench-routing-logs")
     verbose: bool = True
+    kvflow_config: Mapping[str, Any] | None = None
+    """The kvflow rows' router config, as ``kvflow operator render`` of an LLMService gives it
+    (``--llmservice``); None: the router's defaults, as ``make up`` runs it."""
 
 
 @dataclass(slots=True)
@@ -185,7 +189,7 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
                 continue
             port = free_port("127.0.0.1")
             try:
-                procs = routers.processes(spec, fleet, port, log_dir)
+                procs = routers.processes(spec, fleet, port, log_dir, opts.kvflow_config)
             except routers.Skip as exc:
                 outcome.skipped.append(f"{spec.name}: {exc}")
                 log(opts, f"  skipping {spec.name}: {exc}")
