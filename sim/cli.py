@@ -29,6 +29,7 @@ from kvflow.sim.events import ZmqPublisher
 from kvflow.sim.faults import Faults
 from kvflow.sim.kv_transfer import DEFAULT_PIN_TIMEOUT_S, KVTransfer, TransferConfig, make_transfer
 from kvflow.sim.lora import runtime_updating
+from kvflow.sim.nixl.agent import NixlUnavailable
 from kvflow.sim.metrics import SimMetrics, cache_config_info
 from kvflow.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile, get_profile
 from kvflow.sim.request import HashConfig, LoraAdapter
@@ -241,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner(serve(args))
     except (ValueError, OSError, FileNotFoundError) as exc:
         print(f"kvflow sim: {exc}", file=sys.stderr)
+        return 2
+    except NixlUnavailable as exc:
+        print(f"kvflow sim: --kv-transfer nixl needs NIXL ({exc}): run the kvflow-nixl image, "
+              "pip install nixl, or use --kv-transfer modelled", file=sys.stderr)
         return 2
     return 0
 
