@@ -170,7 +170,7 @@ def pool_status(model: str, router: object, *, admission: tuple[int, int] | None
             "healthy": view.healthy, "in_flight": view.in_flight, "running": m.running, "waiting": m.waiting,
             "kv_usage": round(m.kv_usage, 4),
             "prefix_hit_rate": round(m.prefix_hits / m.prefix_queries, 4) if m.prefix_queries else None,
-            "loras": sorted(m.running_loras | m.waiting_loras),
+            "loras": sorted((view.adapters or frozenset()) | m.running_loras | m.waiting_loras),
             "last_scrape_s": None if last is None else round(mono - last, 3),
             "kv_events": None if heard is None else {
                 "age_s": round(wall - heard[0], 3), "lag_s": None if heard[1] is None else round(heard[1], 4)},
