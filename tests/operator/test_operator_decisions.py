@@ -384,3 +384,43 @@ def test_each_pool_has_a_condition_naming_why_it_is_not_ready() -> None:
     assert {c["type"]: c["reason"] for c in healthy["conditions"]}["DecodePoolReady"] == "StuckEngine"
     assert out["ready"] == "prefill 0/1, decode 0/2" and out["mode"] == "disaggregated"
     assert out["profile"] == "default"
+
+
+def test_a_leader_worker_set_pool_rolls_and_holds_like_a_deployment() -> None:
+    def multi(**changes: Any) -> LLMService:
+        body = yaml.safe_load((SAMPLES / "multi-node.yaml").read_text())
+        body["spec"]["prefill"] = {"replicas": 1, "resources": {"limits": {"nvidia.com/gpu": 8}}}
+        body["spec"]["kvTransfer"] = {"connector": "NixlConnector"}
+        body["spec"].update(changes)
+        return parse({**body, "metadata": {**body["metadata"], "uid": "u1"}})
+
+    old, new = multi(), multi(model={**multi().spec.model.model_dump(by_alias=True, exclude_none=True),
+                                      "name": "deepseek-r1-v2"})
+    observed = {key(o): o for o in render(old)}
+    for obj in observed.values():
+        if obj["kind"] == "LeaderWorkerSet":  # settled: every group updated and ready
+            obj["metadata"]["generation"] = 1
+            obj["status"] = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "observedGeneration": 1}
+    assert deployment_settled(observed[("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "deepseek-prefill")])
+    decided = plan(new, render(new), observed)
+    assert decided.rolling_pool == "prefill" and decided.pools["decode"].held
+    held = next(o for o in decided.apply if o["metadata"]["name"] == "deepseek-decode" and o["kind"] == "LeaderWorkerSet")
+    assert held["kind"] == "LeaderWorkerSet"
+    assert held["spec"]["leaderWorkerTemplate"] == observed[
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "deepseek-decode")]["spec"]["leaderWorkerTemplate"]
+    counts = status.pool_counts(new, "decode", observed)
+    assert (counts["ready"], counts["available"], counts["desired"]) == (1, 1, 1)
+
+
+def test_the_printer_columns_read_fields_the_status_has() -> None:
+    from operator_tools import CHART
+
+    crd = yaml.safe_load((CHART / "crds" / "llmservices.kvflow.io.yaml").read_text())
+    columns = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert list(columns) == ["Model", "Ready", "Profile", "Gateway", "Phase", "Age"]
+    svc = service()
+    observed = {key(o): o for o in render(svc)}
+    out = status.compute(svc, plan(svc, render(svc), observed), observed, now="2026-01-01T00:00:00Z", previous={})
+    for name in ("Ready", "Profile", "Gateway", "Phase"):
+        field = columns[name].removeprefix(".status.")
+        assert isinstance(out[field], str) and out[field], name

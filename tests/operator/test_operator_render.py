@@ -609,3 +609,99 @@ def test_the_make_up_equivalent_llmservice_routes_as_make_up_does() -> None:
     local_argv = up.sim_argv(plan.pods[0], args)
     local_sim = sim_parser().parse_args(local_argv[local_argv.index("sim") + 1:])
     assert (rendered.profile, rendered.role, rendered.block_size) == (local_sim.profile, local_sim.role, 16)
+
+
+def test_what_the_pool_asks_is_the_accelerator_that_renders() -> None:
+    amd = by_kind(render(with_uid(load("amd.yaml")), IMAGES), "Deployment", "llama-rocm-aggregated")
+    engine = amd["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"]["limits"] == {"memory": "96Gi", "amd.com/gpu": 2}  # tensor 2, and no nvidia.com/gpu
+    assert engine["args"][engine["args"].index("--tensor-parallel-size") + 1] == "2"
+    cpu = merged(load("vllm-gpu.yaml"), {"spec": {"engine": {"accelerator": "none"},
+                                                  "decode": {"resources": {"limits": {"memory": "48Gi"}}}}})
+    cpu["spec"]["decode"]["resources"]["limits"].pop("nvidia.com/gpu")
+    assert crd_errors(cpu) == []
+    limits = by_kind(render(with_uid(cpu), IMAGES), "Deployment", "qwen-chat-aggregated")[
+        "spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"memory": "48Gi"}
+    tpu = merged(load("vllm-gpu.yaml"), {"spec": {"engine": {"parallelism": {"tensor": 4}}}})
+    tpu["spec"]["decode"]["resources"]["limits"] = {"google.com/tpu": 4}
+    limits = by_kind(render(with_uid(tpu), IMAGES), "Deployment", "qwen-chat-aggregated")[
+        "spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"google.com/tpu": 4}
+
+
+def test_a_multi_node_pool_is_a_leader_worker_set_whose_leaders_serve() -> None:
+    objs = render(with_uid(load("multi-node.yaml")), IMAGES)
+    lws = by_kind(objs, "LeaderWorkerSet", "deepseek-aggregated")
+    validate(lws)
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = template["leaderTemplate"], template["workerTemplate"]
+    [leader_line], [worker_line] = leader["spec"]["containers"][0]["args"], worker["spec"]["containers"][0]["args"]
+    for line in (leader_line, worker_line):
+        assert line.startswith("exec vllm serve deepseek-ai/DeepSeek-R1-0528 ")
+        assert "--data-parallel-size 16 --data-parallel-size-local 8 --enable-expert-parallel" in line
+        assert "--data-parallel-address ${LWS_LEADER_ADDRESS} --data-parallel-rpc-port 5555" in line
+    assert leader_line.endswith("--data-parallel-start-rank 0") and "--headless" not in leader_line
+    assert worker_line.endswith("--data-parallel-start-rank $((LWS_WORKER_INDEX * 8)) --headless")
+    assert leader["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert "readinessProbe" in leader["spec"]["containers"][0] and "readinessProbe" not in worker["spec"]["containers"][0]
+    # the InferencePool and the pool's Service select leaders only; the PDB covers the whole group
+    pool = by_kind(objs, "InferencePool", "deepseek")["spec"]["selector"]["matchLabels"]
+    assert pool.items() <= leader["metadata"]["labels"].items()
+    assert not pool.items() <= worker["metadata"]["labels"].items()
+    assert by_kind(objs, "Service", "deepseek-aggregated")["spec"]["selector"]["kvflow.io/engine"] == "true"
+    assert not [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "deepseek-aggregated"]
+
+
+def test_object_store_models_stream_with_their_credentials() -> None:
+    body = merged(load("vllm-gpu.yaml"), {"spec": {"model": {"source": "s3://models/qwen", "tokenizer": "hf://Qwen/Qwen2.5-7B-Instruct",
+                                                             "credentialsSecret": "s3-creds"}}})
+    del body["spec"]["model"]["cacheSize"]
+    assert crd_errors(body) == []
+    engine = by_kind(render(with_uid(body), IMAGES), "Deployment", "qwen-chat-aggregated")[
+        "spec"]["template"]["spec"]["containers"][0]
+    assert engine["args"][:5] == ["s3://models/qwen", "--served-model-name", "qwen2.5-7b-instruct",
+                                  "--load-format", "runai_streamer"]
+    assert engine["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert "HF_HOME" not in env_of(engine)
+
+
+def test_a_cpu_kv_tier_adds_its_memory_and_vllms_flags() -> None:
+    body = merged(load("vllm-gpu.yaml"), {"spec": {"engine": {"kvOffloadingGiB": 64}}})
+    objs = render(with_uid(body), IMAGES)
+    engine = by_kind(objs, "Deployment", "qwen-chat-aggregated")["spec"]["template"]["spec"]["containers"][0]
+    args = engine["args"]
+    assert args[args.index("--kv-offloading-size") + 1] == "64"
+    assert args[args.index("--kv-offloading-backend") + 1] == "native"
+    gib = 1 << 30
+    assert engine["resources"]["requests"]["memory"] == str(32 * gib + 64 * gib)
+    assert engine["resources"]["limits"]["memory"] == str(48 * gib + 64 * gib)
+    router = config_file(objs, "qwen-chat-router", "router.yaml")
+    assert router["kvEvents"]["predictEvictions"] is False  # a CPU tier keeps what the GPU evicts
+
+
+def test_a_keda_pool_at_zero_wakes_on_the_gateways_held_requests() -> None:
+    objs = render(with_uid(load("scale-to-zero.yaml")), IMAGES)
+    scaled = by_kind(objs, "ScaledObject", "qwen-burst-aggregated")
+    validate(scaled)
+    assert scaled["spec"]["minReplicaCount"] == 0
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                "name": "qwen-burst-aggregated"}
+    trigger = scaled["spec"]["triggers"][0]["metadata"]
+    assert 'kvflow_gateway_held_requests{namespace="default",model="qwen2.5-7b-instruct"}' in trigger["query"]
+    assert "vllm:num_requests_waiting" in trigger["query"] and trigger["activationThreshold"] == "0"
+    assert "replicas" not in by_kind(objs, "Deployment", "qwen-burst-aggregated")["spec"]  # KEDA owns it
+    pool = config_file(objs, "qwen-burst-gateway", "gateway.yaml")["pools"][0]
+    assert pool["hold_when_empty_seconds"] == 600
+
+
+def test_a_pool_override_changes_that_pool_only() -> None:
+    objs = render(with_uid(load("pd-nixl.yaml")), IMAGES)
+    prefill = by_kind(objs, "Deployment", "llama-pd-prefill")["spec"]["template"]
+    decode = by_kind(objs, "Deployment", "llama-pd-decode")["spec"]["template"]
+    # per-pool parallelism does not split the KV-cache revision: NIXL pairs the two pools
+    assert prefill["metadata"]["labels"][names.LABEL_REVISION] == decode["metadata"]["labels"][names.LABEL_REVISION]
+    env = merged(load("pd-nixl.yaml"), {"spec": {"decode": {"engine": {"env": [{"name": "UCX_TLS", "value": "rc"}]}}}})
+    engine = by_kind(render(with_uid(env), IMAGES), "Deployment", "llama-pd-decode")["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(engine)["UCX_TLS"] == "rc"  # the pool's env replaces the shared one of that name
