@@ -114,7 +114,9 @@ case "${1:-build}" in
   push)
     [[ $# -eq 2 ]] || { echo "usage: scripts/image.sh push REGISTRY/REPO:TAG" >&2; exit 2; }
     ref="$2"; [[ "$ref" == *://* ]] || ref="docker://$ref"
-    bah push "$IMAGE" "$ref" ;;
+    bah push "$IMAGE" "$ref"
+    # the operator runs simulated P/D pods on the same reference with -nixl appended
+    if bah images --noheading "${IMAGE}-nixl" >/dev/null 2>&1; then bah push "${IMAGE}-nixl" "${ref}-nixl"; fi ;;
   buildah) shift; bah "$@" ;;
   base) ensure_tools; ensure_base; echo "$BASE" ;;
   *) echo "usage: scripts/image.sh [build|push REF|buildah ARGS...|base]" >&2; exit 2 ;;
