@@ -153,6 +153,16 @@ def test_kvflow_status_prints_the_pods_and_decisions_as_tables(stack: Stack) -> 
     as_json = kvflow_status("--url", stack.url, "--api-key", ADMIN, "-o", "json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["kvflow_status"] == 1
 
+    watch = subprocess.Popen([sys.executable, "-m", "kvflow", "status", "--url", stack.url, "--api-key", ADMIN,
+                              "--watch", "--interval", "0.1", "-o", "json"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert watch.stdout is not None
+        first, second = json.loads(watch.stdout.readline()), json.loads(watch.stdout.readline())
+        assert second["time"] > first["time"]  # refreshed: one document per line
+    finally:
+        watch.terminate()
+        watch.wait(10)
+
 
 @pytest.mark.parametrize(("key", "says"), [
     (None, "HTTP 401: missing API key"), (USER, "HTTP 403: the status API and page need an admin key"),

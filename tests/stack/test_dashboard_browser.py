@@ -86,7 +86,7 @@ def test_the_status_page_shows_pods_traffic_and_why_each_request_went_where_it_d
     def traffic() -> None:
         try:
             for i in range(12):  # streamed: the pods' TTFT and ITL; long prompts go P/D
-                send(stack.url, LONG if i % 3 == 0 else f"{SECRET} #{i}", stream=True)
+                send(stack.url, f"#{i} {LONG}" if i % 3 == 2 else f"{SECRET} #{i}", stream=True)  # nothing cached
         finally:
             done.set()
 
@@ -108,7 +108,7 @@ def test_the_status_page_shows_pods_traffic_and_why_each_request_went_where_it_d
         assert points and max(points) > 0, kind
 
     decisions = page.locator("tr.decision").all()
-    assert decisions, "no decision shown"
+    assert {row.locator("td").nth(2).inner_text() for row in decisions} == {"pd", "aggregated"}
     for row in decisions:
         cells = row.locator("td").all_inner_texts()
         mode, pick, prefill, why = cells[2], cells[3], cells[4], cells[7]
