@@ -122,7 +122,9 @@ def gie_scorer_weights(svc: LLMService) -> tuple[dict[str, float], str]:
         for gie in GIE_SCORERS.get(plugin_type, ()):
             weights[gie] = weights.get(gie, 0.0) + float(weight or 0)
     weights = {name: weight for name, weight in sorted(weights.items()) if weight > 0}
-    return weights, picker if weights or picker != "max-score-picker" else "random-picker"
+    if not weights and picker == "max-score-picker":  # nothing to score: pick at random
+        picker = "random-picker"
+    return weights, picker
 
 
 def gie_config(svc: LLMService) -> dict[str, Any]:
