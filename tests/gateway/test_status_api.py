@@ -179,3 +179,44 @@ def test_kvflow_status_says_in_one_line_that_nothing_answers() -> None:
     down = kvflow_status("--url", url, "--api-key", ADMIN)
     assert down.returncode == 1 and down.stdout == ""
     assert down.stderr.startswith(f"kvflow status: cannot reach {url}") and down.stderr.count("\n") == 1
+
+
+async def test_a_running_batch_shows_with_its_progress_and_its_lines_count(sim_pods, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import aiohttp
+    import openai
+
+    from kvflow.gateway.config import GatewayConfig
+    from kvflow.gateway.server import start_gateway
+    from kvflow.statuscli import render
+
+    pods = sim_pods(1, "--model", MODEL, "--profile", "h100-llama8b")
+    config = GatewayConfig.model_validate({"port": 0, "pools": [{"model": MODEL, "endpoints": [p.id for p in pods]}],
+                                           "batch": {"dir": str(tmp_path / "batches"), "poll_s": 0.1}})
+    running = await start_gateway(config)
+    url = f"http://127.0.0.1:{running.port}"
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    lines = "\n".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": MODEL, "prompt": f"line {i}", "max_tokens": 64}})
+                      for i in range(40))
+    try:
+        upload = await client.files.create(file=("in.jsonl", lines.encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                            completion_window="24h")
+        async with aiohttp.ClientSession() as session:
+            row: dict = {}  # type: ignore[type-arg]
+            while not (row.get("status") == "in_progress" and row.get("completed", 0) >= 1):
+                async with session.get(f"{url}/v1/kvflow/status") as resp:  # each a round trip: no sleep
+                    doc = await resp.json()
+                row = next((b for b in doc["batches"] if b["id"] == batch.id), {})
+            async with session.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+        await client.batches.cancel(batch.id)
+    finally:
+        await running.close()
+    assert (row["endpoint"], row["total"]) == ("/v1/completions", 40) and row["completed"] + row["failed"] < 40
+    table = render(doc).splitlines()
+    assert table[table.index("", table.index("") + 1) + 1].split() == ["BATCH", "STATUS", "ENDPOINT", "PROGRESS",
+                                                                       "DONE", "FAILED"]
+    assert any(line.startswith(batch.id) and "in_progress" in line for line in table)
+    assert 'kvflow_gateway_batch_lines_total{result="completed"}' in metrics
+    assert f'kvflow_gateway_batch_lines_in_flight{{model="{MODEL}"}}' in metrics
