@@ -6,6 +6,7 @@ bench/out/dashboard.png."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import threading
@@ -128,3 +129,39 @@ def test_the_status_page_shows_pods_traffic_and_why_each_request_went_where_it_d
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(shot, out / "dashboard.png")
     assert shot.stat().st_size > 10_000
+
+
+def test_behind_api_keys_the_page_opens_only_with_an_admin_key(sim_pods, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from kvflow.local.procs import ProcessGroup, kvflow_argv
+    from tests.conftest import free_port
+
+    pods = sim_pods(2, "--model", "sim-model", "--profile", "instant")
+    (tmp_path / "keys.yaml").write_text("keys:\n  - {key: sk-ops, name: ops, admin: true}\n"
+                                        "  - {key: sk-team, name: team}\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with ProcessGroup(tmp_path / "gw") as group:
+        group.start("gateway", kvflow_argv("gateway", "--port", str(port), "--model", "sim-model",
+                                           *[a for p in pods for a in ("--endpoint", p.id)], "--no-batch",
+                                           "--api-keys-file", str(tmp_path / "keys.yaml")),
+                    ready_url=f"{url}/health")
+        group.wait_ready(30)
+        from playwright.sync_api import Error as BrowserError
+
+        anonymous = browser.new_page()  # type: ignore[attr-defined]
+        with pytest.raises(BrowserError, match="ERR_INVALID_AUTH_CREDENTIALS"):  # asked for a key, it had none
+            anonymous.goto(f"{url}/dashboard")
+        challenge = anonymous.request.get(f"{url}/dashboard")
+        assert challenge.status == 401 and challenge.headers["www-authenticate"].startswith("Basic ")
+        anonymous.close()
+        for user, key, status in (("team", "sk-team", 403), ("ops", "sk-ops", 200)):
+            page = browser.new_page()  # type: ignore[attr-defined]
+            basic = base64.b64encode(f"{user}:{key}".encode()).decode()
+            page.set_extra_http_headers({"Authorization": f"Basic {basic}"})  # as a browser sends a login
+            assert page.goto(f"{url}/dashboard").status == status
+            if status == 200:  # the page's own calls to the API carry the same credentials
+                page.wait_for_function("document.querySelectorAll('tr[data-pod]').length === 2")
+                assert set(page.locator("tr[data-pod]").evaluate_all("rows => rows.map(r => r.dataset.pod)")) == {
+                    p.id for p in pods}
+                assert page.locator("#error").inner_text() == ""
+            page.close()
