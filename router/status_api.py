@@ -118,6 +118,10 @@ class Served:
                 "ttft_count": self.ttft_count, "itl_sum_s": round(self.itl_sum, 6), "itl_count": self.itl_count}
 
 
+MAX_PODS = 4096
+"""Pods with sums kept; past it the longest-known is forgotten (pods come and go with rollouts)."""
+
+
 class PodStats:
     """Per pod ``Served`` sums, one table per gateway (``Gateway.pod_stats``)."""
 
@@ -127,6 +131,8 @@ class PodStats:
     def observe(self, pod: str, status: int, first_token: float | None, gaps: Sequence[float]) -> None:
         served = self.pods.get(pod)
         if served is None:
+            if len(self.pods) >= MAX_PODS:
+                del self.pods[next(iter(self.pods))]
             served = self.pods[pod] = Served()
         served.requests += 1
         if status >= 400:
