@@ -153,8 +153,9 @@ class DecisionLog:
     ) -> None:
         self._entries.append((time.time(), request, decision, seconds, error, hashes))
 
-    def last(self, n: int = 10) -> list[dict[str, Any]]:
-        return [render(*entry) for entry in list(self._entries)[-n:][::-1]]
+    def last(self, n: int = 10, *, digests: bool = True) -> list[dict[str, Any]]:
+        """Newest first; ``digests=False`` leaves out the token and block digests (the status API)."""
+        return [render(*entry, digests=digests) for entry in list(self._entries)[-n:][::-1]]
 
 
 def render(
@@ -164,6 +165,8 @@ def render(
     seconds: float,
     error: str | None,
     hashes: PromptFingerprints | None = None,
+    *,
+    digests: bool = True,
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "time": when,
@@ -173,10 +176,11 @@ def render(
         "cache_salt": request.cache_salt,
         "mm_hashes": list(request.mm_hashes),
         "prompt_tokens": len(request.token_ids),
-        "tokens_digest": _digest(request.token_ids),
         "micros": round(seconds * 1e6, 1),
     }
-    if hashes is not None:  # what the blocks are keyed on, the same in any router process
+    if digests:
+        entry["tokens_digest"] = _digest(request.token_ids)
+    if digests and hashes is not None:  # what the blocks are keyed on, the same in any router process
         entry["block_hashes_digest"] = hashes.digest()
     if error is not None:
         entry["error"] = error

@@ -39,7 +39,7 @@ from kvflow.router.router import Router
 STATUS_PATH = "/v1/kvflow/status"
 DASHBOARD_PATH = "/dashboard"
 VERSION = 1
-DECISIONS = 20
+DECISIONS = 10
 """Decisions per pool in one document (the router's log holds the last 100)."""
 
 
@@ -183,7 +183,7 @@ def pool_status(model: str, router: object, *, admission: tuple[int, int] | None
         }
         entry["pods"].append(pod)
     roles = {str(ep.id): str(ep.role) for ep in router.endpoints}
-    entry["decisions"] = [explain(d, roles, router.policy.threshold) for d in router.explain(decisions)]
+    entry["decisions"] = [explain(d, roles, router.policy.threshold) for d in router.log.last(decisions, digests=False)]
     return entry
 
 
