@@ -166,6 +166,7 @@ def _scheduler(args: argparse.Namespace, profile: Profile, sampler: Sampler) -> 
         enable_prefix_caching=args.enable_prefix_caching,
         kv_transfer=args.kv_transfer != "none",
         num_cpu_blocks=num_cpu_blocks(args.kv_offloading_size, args.block_size, profile.kv_bytes_per_token),
+        reload_seconds_per_token=profile.reload_seconds(1),
     )
     return Scheduler(config, sampler, enable_events=bool(args.kv_events_endpoint))
 

@@ -178,7 +178,7 @@ class Engine:
         return EngineGauges(
             running=lambda: len(sched.running),
             waiting=lambda: sched.num_waiting,
-            deferred=lambda: len(sched.remote_waiting),
+            deferred=lambda: len(sched.remote_waiting) + len(sched.loading),
             kv_usage=lambda: sched.pool.usage,
             prefix_queries=lambda: sched.prefix_stats.queries,
             prefix_hits=lambda: sched.prefix_stats.hits,
@@ -237,9 +237,12 @@ class Engine:
         sched = self.scheduler
         while True:
             if self._parked:
-                if not self._inbox:
+                # time jumps to the event that wakes it: an outside one, or a CPU-tier load back
+                due = [t for t in (self._inbox[0][0] if self._inbox else None, sched.next_ready())
+                       if t is not None and t <= wall]
+                if not due:
                     return
-                self._now = max(self._now, self._inbox[0][0])  # time jumps to the event that wakes it
+                self._now = max(self._now, min(due))
                 self._parked = False
             lag = wall - self._now
             if lag > self.max_lag_s:
@@ -252,14 +255,15 @@ class Engine:
             plan = sched.schedule(self._now) if sched.has_work() else None
             for req in plan.pulls if plan is not None else ():
                 self._start_pull(req)
+            loaded = plan.reload_tokens + plan.loads_started if plan is not None else 0
+            if self.metrics is not None and loaded:
+                self.metrics.on_offload_load(loaded, self.profile.reload_seconds(loaded))
             if plan is None or plan.empty:
                 self._flush_events()
                 self._parked = True
                 continue
             seconds = self._current_profile().step_seconds(
                 plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens, plan.reload_tokens)
-            if self.metrics is not None and plan.reload_tokens:
-                self.metrics.on_offload_load(plan.reload_tokens, self.profile.reload_seconds(plan.reload_tokens))
             self._inflight = Step(plan, self._now, self._now + seconds)
             return
 
@@ -283,9 +287,22 @@ class Engine:
                 await asyncio.sleep(0)
             deadline = self.poll()
             if deadline is None:
-                await self._wake.wait()
+                deadline = self.scheduler.next_ready()  # a CPU-tier load in flight wakes it too
+                if deadline is None:
+                    await self._wake.wait()
+                    continue
+                await self._wake_or_sleep(deadline)
             else:
                 await self.clock.sleep_until(deadline)
+
+    async def _wake_or_sleep(self, deadline: float) -> None:
+        """Until an outside event or ``deadline``, whichever comes first."""
+        waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self.clock.sleep_until(deadline))]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     def _current_profile(self) -> Profile:
         factor = self.faults.slow_factor

@@ -9,11 +9,12 @@ does once a prefill completes). The step lasts::
            + decode_per_seq_s    * num_decoding_requests
            + decode_per_ctx_token_s * sum(context tokens of decoding requests)
            + prefill_per_token_s * num_uncached_prompt_tokens_in_this_step
-           + reload_tokens_in_this_step * kv_bytes_per_token / offload_bytes_per_s
 
 so time per output token grows with the batch and its context, and time to first token grows
-with the uncached prompt. The last term is CPU KV offloading: prompt blocks found in the CPU
-tier are copied back over PCIe instead of being computed. A P/D pull of ``n`` KV bytes takes
+with the uncached prompt. CPU KV offloading: prompt blocks found in the CPU tier are copied back
+over PCIe instead of being computed, ``tokens * kv_bytes_per_token / offload_bytes_per_s``
+(``reload_seconds``), while the engine steps on (the scheduler's asynchronous load; a scheduler
+without it adds the copy to the step as ``reload_tokens``). A P/D pull of ``n`` KV bytes takes
 ``transfer_base_s + n / transfer_bytes_per_s`` with ``n = tokens * kv_bytes_per_token``.
 
 Profiles:

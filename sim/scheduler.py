@@ -47,6 +47,10 @@ class SchedulerConfig:
     """Honour P/D ``kv_transfer_params`` (pin on remote decode, pull on remote prefill)."""
     num_cpu_blocks: int = 0
     """CPU offload pool size in blocks (``--kv-offloading-size``); 0: no offloading."""
+    reload_seconds_per_token: float = 0.0
+    """How long loading a token's KV back from the CPU tier takes. > 0: loads are asynchronous,
+    as vLLM's (the request waits in ``WAITING_FOR_REMOTE_KVS`` until its blocks are back, the
+    others run on); 0: a load is charged to the step that admits the request (``reload_tokens``)."""
 
 
 @dataclass(slots=True)
@@ -59,7 +63,10 @@ class StepPlan:
     decode_ctx_tokens: int = 0
     prefill_tokens: int = 0
     reload_tokens: int = 0
-    """Prompt tokens whose KV this step loads back from the CPU tier instead of computing."""
+    """Prompt tokens whose KV this step loads back from the CPU tier instead of computing (the
+    synchronous model: their copy is part of the step's time)."""
+    loads_started: int = 0
+    """Prompt tokens whose asynchronous load from the CPU tier began at this step."""
 
     @property
     def empty(self) -> bool:
@@ -83,6 +90,8 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.remote_waiting: dict[str, SimRequest] = {}
+        self.loading: dict[str, tuple[float, SimRequest]] = {}
+        """Requests whose blocks are being loaded back from the CPU tier, and when they are back."""
         self.pinned: dict[str, list[int]] = {}
         self.prefix_stats = PrefixStats()
         self.num_preemptions = 0
@@ -94,15 +103,21 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.remote_waiting)
+        return len(self.waiting) + len(self.remote_waiting) + len(self.loading)
+
+    def next_ready(self) -> float | None:
+        """When the first CPU-tier load in flight completes (None: none is)."""
+        return min((t for t, _ in self.loading.values()), default=None)
 
     # -- planning --------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
+        if self.loading:
+            self._finish_loads(now)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(plan, budget)
         if not plan.preempted:
@@ -145,6 +160,10 @@ class Scheduler:
                 continue
             if not req.block_ids and req.num_computed == 0:
                 self._lookup_prefix(req)
+            if req.reloading and self.config.reload_seconds_per_token > 0:
+                if not self._start_load(req, plan, now):
+                    return
+                continue
             num_new = min(len(req.all_token_ids) - req.num_computed, budget)
             need = -(-(req.num_computed + num_new) // self.config.block_size) - len(req.block_ids)
             if need > self.pool.num_free:
@@ -162,6 +181,32 @@ class Scheduler:
             req.reloading = 0
             budget -= num_new
             self._add_to_plan(plan, req, num_new)
+
+    def _start_load(self, req: SimRequest, plan: StepPlan, now: float) -> bool:
+        """vLLM's asynchronous load (``load_kv_async``): blocks for the GPU hit and the loaded
+        tokens, none of the step's budget; the request waits in ``WAITING_FOR_REMOTE_KVS`` and
+        the scheduler goes on to the next. Its blocks enter the GPU cache once they are back."""
+        need = -(-req.num_computed // self.config.block_size) - len(req.block_ids)
+        if need > self.pool.num_free:
+            self._unlookup(req)
+            return False
+        if need > 0:
+            req.block_ids += self.pool.allocate(need)
+        self.waiting.popleft()
+        req.status = Status.WAITING_FOR_REMOTE_KVS
+        self.loading[req.request_id] = (now + req.reloading * self.config.reload_seconds_per_token, req)
+        plan.loads_started += req.reloading
+        req.reloading = 0
+        return True
+
+    def _finish_loads(self, now: float) -> None:
+        """Loads that are back by ``now``: their requests wait at the queue's head, first back
+        first, and are scheduled as cache hits (vLLM's ``_update_waiting_for_remote_kv``)."""
+        done = sorted((t, rid) for rid, (t, _) in self.loading.items() if t <= now)
+        for _, rid in reversed(done):
+            req = self.loading.pop(rid)[1]
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
 
     def _lookup_prefix(self, req: SimRequest) -> None:
         """Take references on the longest cached prefix; record vLLM's prefix-cache stats."""
@@ -353,6 +398,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING_FOR_REMOTE_KVS:
             self.remote_waiting.pop(request_id, None)
+            self.loading.pop(request_id, None)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pool.free(req.block_ids)

@@ -210,7 +210,7 @@ def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = Fal
     records KV events."""
     config = SchedulerConfig(block_size=HASH.block_size, num_blocks=num_blocks,
                              max_num_batched_tokens=profile.max_num_batched_tokens, kv_transfer=False,
-                             num_cpu_blocks=cpu_blocks)
+                             num_cpu_blocks=cpu_blocks, reload_seconds_per_token=profile.reload_seconds(1))
     return Pod(index, Scheduler(config, _sampler(), enable_events=events))
 
 
@@ -251,6 +251,9 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
         plan = pod.scheduler.schedule(now)
         if plan.empty:
             pod.plan = None
+            ready = pod.scheduler.next_ready()
+            if ready is not None:  # idle until a CPU-tier load is back
+                push(ready, "wake", pod.index)
             return
         pod.plan = plan
         pod.step_end = now + profile.step_seconds(plan.num_decoding, plan.decode_ctx_tokens, plan.prefill_tokens,
@@ -288,6 +291,10 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             continue
         if kind == "finish":
             observer.finished(what, now)  # type: ignore[union-attr]
+            continue
+        if kind == "wake":
+            if fleet[what].plan is None:
+                start_step(fleet[what], now)
             continue
         if kind == "send":
             pending_sends -= 1

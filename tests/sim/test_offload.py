@@ -20,6 +20,7 @@ from kvflow.protocol.kv_events import WireBlockRemoved, WireBlockStored
 from kvflow.sim.cli import _metrics, num_cpu_blocks, parser
 from kvflow.sim.kvcache import CpuTier
 from kvflow.sim.profiles import get_profile
+from kvflow.sim.request import Status
 from kvflow.sim.scheduler import Scheduler
 
 from .helpers import make_request, make_scheduler, run_until_idle
@@ -121,6 +122,46 @@ def test_a_prefix_evicted_from_the_gpu_is_loaded_back_from_the_cpu_instead_of_co
     assert (stats.queries, stats.hits, stats.external_queries, stats.external_hits) == (30, 0, 30, 8)
     # the loaded blocks enter the GPU prefix cache again (GPU events); the CPU already holds them
     assert summary(sched.pool.take_events()) == [("Removed", "GPU", 1), ("Removed", "GPU", 1), ("Stored", "GPU", 2)]
+
+
+def test_a_load_from_the_cpu_runs_beside_the_other_requests_and_its_request_waits_for_it() -> None:
+    """vLLM's asynchronous load: the request waits in WAITING_FOR_REMOTE_KVS for its blocks,
+    takes none of the step's budget, and is scheduled as a cache hit once they are back; its
+    blocks enter the GPU cache then, not before."""
+    sched = offloading(num_blocks=8, num_cpu_blocks=10, reload_seconds_per_token=0.5)
+    for rid, prompt in (("a", A), ("b", B), ("c", list(range(41, 51))), ("d", list(range(61, 71)))):
+        sched.add(make_request(rid, prompt, max_tokens=1))  # 4 x 3 blocks through a 7-block pool
+        run_until_idle(sched)
+    sched.pool.take_events()
+    again, other = make_request("again", A, max_tokens=1), make_request("other", list(range(81, 85)), max_tokens=1)
+    sched.add(again)
+    sched.add(other)
+    plan = sched.schedule(10.0)
+    assert plan.scheduled == [(other, 4)] and plan.loads_started == 8 and plan.reload_tokens == 0
+    assert again.status is Status.WAITING_FOR_REMOTE_KVS and sched.next_ready() == 10.0 + 8 * 0.5
+    assert sched.num_waiting == 1 and sched.has_work()
+    assert not any(e.medium == "GPU" and isinstance(e, WireBlockStored) and e.token_ids[:8] == A[:8]
+                   for e in sched.pool.take_events())  # type: ignore[attr-defined]
+    sched.complete(plan, 11.0)
+    assert sched.schedule(13.9).scheduled == []
+    plan = sched.schedule(14.0)
+    assert plan.scheduled == [(again, 2)] and plan.prefill_tokens == 2 and sched.next_ready() is None
+    stored = [e for e in sched.pool.take_events() if isinstance(e, WireBlockStored) and e.medium == "GPU"]
+    assert [e.token_ids for e in stored] == [A[:8]]
+    assert (again.cached_tokens, again.offloaded_tokens) == (8, 8)
+
+
+def test_an_abort_during_a_load_frees_its_blocks() -> None:
+    sched = offloading(reload_seconds_per_token=0.5)
+    for rid, prompt in (("a", A), ("b", B)):
+        sched.add(make_request(rid, prompt, max_tokens=1))
+        run_until_idle(sched)
+    free = sched.pool.num_free
+    sched.add(make_request("again", A, max_tokens=1))
+    sched.schedule(10.0)
+    assert sched.pool.num_free == free - 2
+    assert sched.abort("again", 11.0) is not None
+    assert (sched.pool.num_free, sched.next_ready(), sched.has_work()) == (free, None, False)
 
 
 def test_a_cpu_hit_continues_a_shorter_gpu_hit() -> None:
