@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -40,13 +40,22 @@ class ApiKey:
     """kvflow routing headers this key may send (x-kvflow-profile, x-kvflow-priority, x-kvflow-explain)."""
     admin: bool = False
     """May read the status page and ``/v1/kvflow/status`` (``kvflow.router.status_api``)."""
+    owner: str = field(default="", compare=False)
+    """Who owns the key's batches and files: the name the operator gave it, or ``owner_of`` the key
+    itself for an unnamed one; never its place in the file, so removing one key hands nothing of
+    its to another. Empty: the name."""
 
 
-ANONYMOUS = ApiKey(name="anonymous")
+ANONYMOUS = ApiKey(name="anonymous", owner="anonymous")
 
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def owner_of(key: str) -> str:
+    """An unnamed key's stable identity: a digest of the key (not the lookup digest), never the key."""
+    return "sha256-" + hashlib.sha256(b"kvflow-owner\0" + key.encode()).hexdigest()[:32]
 
 
 def parse_keys(text: str, *, prefix: str = "key") -> dict[bytes, ApiKey]:
@@ -60,7 +69,8 @@ def parse_keys(text: str, *, prefix: str = "key") -> dict[bytes, ApiKey]:
     if isinstance(data, dict):
         return dict(_yaml_entry(i, entry, prefix) for i, entry in enumerate(data.get("keys") or []))
     lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
-    return {_digest(line): ApiKey(name=f"{prefix}-{i}") for i, line in enumerate(filter(None, lines))}
+    return {_digest(line): ApiKey(name=f"{prefix}-{i}", owner=owner_of(line))
+            for i, line in enumerate(filter(None, lines))}
 
 
 def _yaml_entry(index: int, entry: object, prefix: str) -> tuple[bytes, ApiKey]:
@@ -75,8 +85,9 @@ def _yaml_entry(index: int, entry: object, prefix: str) -> tuple[bytes, ApiKey]:
         allowed = check_allowable(allowed)
     except ValueError as exc:
         raise ValueError(f"keys[{index}]: {exc}") from None
-    key = ApiKey(str(entry.get("name") or f"{prefix}-{index}"), None if priority is None else int(priority), rate,
-                 frozenset(allowed), entry.get("admin") is True)
+    name = entry.get("name")
+    key = ApiKey(str(name or f"{prefix}-{index}"), None if priority is None else int(priority), rate,
+                 frozenset(allowed), entry.get("admin") is True, owner=str(name) if name else owner_of(entry["key"]))
     return _digest(entry["key"]), key
 
 
@@ -117,6 +128,11 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return self._keys is not None
+
+    def renamed_owners(self) -> dict[str, str]:
+        """Unnamed keys' ``PREFIX-INDEX`` names -> their owners: what a batch store written when
+        owners were those names migrates by (``Store``'s schema version 1)."""
+        return {k.name: k.owner for k in (self._keys or {}).values() if k.owner and k.owner != k.name}
 
     def rates(self) -> dict[str, Rate]:
         return {k.name: k.rate for k in (self._keys or {}).values() if k.rate is not None}

@@ -25,6 +25,12 @@ class BatchConfig(BaseModel):
     """How often a replica looks in the database for other replicas' batches and cancellations."""
     max_attempts: int = Field(5, ge=1)
     """Tries per line while no pod can be reached (502/503), with back-off; then the line fails."""
+    max_file_lines: int = Field(50_000, ge=1)
+    """Lines an uploaded batch file may have (OpenAI's limit). Its bytes are bounded by the
+    gateway's ``max_body_bytes``; together they bound what validating a batch costs in memory and
+    in database rows."""
+    owner_quota_bytes: int = Field(10 * 1024**3, ge=1)
+    """Disk one owner's files may take (uploads and results); an upload past it is refused."""
     per_pod: int = Field(_BAND.per_pod, ge=1)
     first_cap: int = Field(_BAND.first_cap, ge=1)
     busy_per_pod: int = Field(_BAND.busy_per_pod, ge=0)

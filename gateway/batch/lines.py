@@ -99,8 +99,9 @@ class FileCheck:
     """Lines that are not JSON objects: each becomes an error-file entry when the batch runs."""
 
 
-def check_upload(data: bytes) -> FileCheck:
-    """Whether an uploaded ``purpose=batch`` file can be run; InvalidRequestError says why not."""
+def check_upload(data: bytes, max_lines: int | None = None) -> FileCheck:
+    """Whether an uploaded ``purpose=batch`` file can be run (and has at most ``max_lines``
+    lines); InvalidRequestError says why not."""
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -110,6 +111,9 @@ def check_upload(data: bytes) -> FileCheck:
     seen: dict[str, int] = {}
     for number, raw in raw_lines(data):
         lines += 1
+        if max_lines is not None and lines > max_lines:
+            raise InvalidRequestError(f"the file has more than {max_lines} lines (line {number}); split it into"
+                                      " several batches", param="file")
         try:
             obj = _decoder.decode(raw)
         except msgspec.DecodeError as exc:

@@ -10,13 +10,18 @@
     GET    /v1/batches/{id}           retrieve
     POST   /v1/batches/{id}/cancel
 
-Files and batches belong to the API key that made them (``anonymous`` on an open gateway): a
-key sees only its own. The gateway's ``handle`` maps every error raised here to OpenAI's JSON.
+Files and batches belong to the API key that made them (``ApiKey.owner``: the operator's name
+for the key, or a digest of it; ``anonymous`` on an open gateway): a key sees only its own. The
+gateway's ``handle`` maps every error raised here to OpenAI's JSON; the store failing (a disk
+turned read-only, a file's bytes gone) is a 503 naming it. File contents stream to the client
+in ``CHUNK`` pieces, never read whole into memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,21 +31,27 @@ from kvflow.errors import InvalidRequestError
 from kvflow.gateway.app import Gateway, RouteError, parse_json
 from kvflow.gateway.batch.forms import parse_form
 from kvflow.gateway.batch.lines import ENDPOINTS, check_upload
+from kvflow.gateway.batch.config import BatchConfig
 from kvflow.gateway.batch.runner import BatchRunner
 from kvflow.gateway.batch.states import (
     BatchRecord, FileRecord, Status, batch_object, check_metadata, file_object, window_seconds,
 )
-from kvflow.gateway.batch.store import AsyncStore, new_id
+from kvflow.gateway.batch.store import AsyncStore, StoreUnavailable, new_id
 from kvflow.gateway.httpserver import Request, Responder
 from kvflow.gateway.proxy import Exchange, send_json
 
+log = logging.getLogger("kvflow.gateway.batch")
+
 PREFIXES = ("/v1/files", "/v1/batches")
+CHUNK = 1 << 20
 Handler = Callable[[Request, Responder, Exchange, str, list[str]], Awaitable[None]]
 
 
 class BatchApi:
-    def __init__(self, gateway: Gateway, store: AsyncStore, runner: BatchRunner | None) -> None:
+    def __init__(self, gateway: Gateway, store: AsyncStore, runner: BatchRunner | None,
+                 config: BatchConfig | None = None) -> None:
         self.gateway, self.store, self.runner = gateway, store, runner
+        self.config = config or BatchConfig()
         self.db = store.store
         # (collection, number of path parts after it, method) -> handler
         self.table: dict[tuple[str, int, str], Handler] = {
@@ -62,9 +73,15 @@ class BatchApi:
         handler = self.table.get((collection, len(rest), request.method))
         if handler is None:
             raise RouteError(405, f"{request.path} takes {' or '.join(sorted(methods))}, not {request.method}")
-        owner = self.gateway.auth.check(request.headers.get("authorization")).name
-        ex.key = owner
-        await handler(request, out, ex, owner, rest)
+        key = self.gateway.auth.check(request.headers.get("authorization"))
+        ex.key = key.name
+        try:
+            await handler(request, out, ex, key.owner or key.name, rest)
+        except (sqlite3.Error, OSError) as exc:
+            if isinstance(exc, ConnectionError) or out.started:
+                raise  # the client left, or the answer is half sent: nothing to tell it
+            log.error("batch: the store failed on %s %s: %s", request.method, request.path, exc)
+            raise StoreUnavailable(f"the batch store failed: {_why(exc)}") from None
 
     # --- files ---------------------------------------------------------------------------
 
@@ -77,7 +94,11 @@ class BatchApi:
         upload = form.get("file")
         if upload is None or upload.filename is None:
             raise InvalidRequestError("the form has no 'file' field with a filename", param="file")
-        await asyncio.to_thread(check_upload, upload.data)
+        await asyncio.to_thread(check_upload, upload.data, self.config.max_file_lines)
+        stored = await self.store.run(self.db.stored_bytes, owner)
+        if stored + len(upload.data) > self.config.owner_quota_bytes:
+            raise InvalidRequestError(f"this key's files take {stored} bytes; {len(upload.data)} more would pass its"
+                                      f" quota of {self.config.owner_quota_bytes}: delete files first", param="file")
         rec = FileRecord(new_id("file-"), owner, upload.filename, purpose, len(upload.data), int(time.time()))
         await self.store.run(self.db.add_file, rec, upload.data)
         send_json(out, 200, file_object(rec), ex.request_id)
@@ -99,8 +120,15 @@ class BatchApi:
         send_json(out, 200, {"id": rest[0], "object": "file", "deleted": True}, ex.request_id)
 
     async def content(self, request: Request, out: Responder, ex: Exchange, owner: str, rest: list[str]) -> None:
-        data = await self.store.run(self.db.read_file, owner, rest[0])
-        out.send(200, data, [("Content-Type", "application/jsonl"), ("X-Request-Id", ex.request_id)])
+        path = await self.store.run(self.db.owned_path, owner, rest[0])
+        f = await asyncio.to_thread(path.open, "rb")  # opened before the answer starts: a missing file is a 503
+        try:
+            out.start(200, [("Content-Type", "application/jsonl"), ("X-Request-Id", ex.request_id)])
+            while chunk := await asyncio.to_thread(f.read, CHUNK):
+                await out.write(chunk)  # waits while the client is slower than the disk
+            out.end()
+        finally:
+            await asyncio.to_thread(f.close)
 
     # --- batches -------------------------------------------------------------------------
 
@@ -135,6 +163,10 @@ class BatchApi:
         if self.runner is not None:
             self.runner.wake()
         send_json(out, 200, batch_object(rec), ex.request_id)
+
+
+def _why(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
 
 
 def _query(request: Request) -> dict[str, str]:

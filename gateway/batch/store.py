@@ -16,6 +16,15 @@ Every decision that several gateway replicas could race on is one SQLite write t
 
 ``Store`` is blocking (sqlite3) and is used from one thread; ``AsyncStore`` runs its methods on
 that thread so the event loop never waits on the disk.
+
+Opening checks the database before anything is written to it: one that is not SQLite, is
+damaged (``PRAGMA quick_check``), was written by a newer kvflow, or is empty (0 bytes) beside
+stored files is refused with ``StoreUnavailable`` naming the problem, never recreated over the
+history; the gateway then answers the Batch API with that 503 and serves everything else.
+
+Schema versions (``PRAGMA user_version``): 0, owners were API keys' names, and unnamed keys were
+named by their place in the keys file; 1, owners are ``ApiKey.owner`` (the operator's name for
+the key, or a digest of the key). Opening a version-0 store renames the owners it knows.
 """
 
 from __future__ import annotations
@@ -32,12 +41,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from kvflow.errors import InvalidRequestError, NotFoundError
+from kvflow.errors import InvalidRequestError, KvflowError, NotFoundError
 from kvflow.gateway.batch.lines import LineError, error_line
 from kvflow.gateway.batch.states import BatchRecord, FileRecord, Status, sources
 
 PENDING, CLAIMED, DONE = 0, 1, 2
 DB_NAME = "batches.db"
+SCHEMA_VERSION = 1
+
+
+class StoreUnavailable(KvflowError):
+    """The batch store cannot be used (read-only, damaged, full): the Batch API answers 503."""
+
+    status = 503
+    type = "ServiceUnavailableError"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -94,16 +111,59 @@ def new_id(prefix: str) -> str:
 
 
 class Store:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, renamed: dict[str, str] | None = None) -> None:
+        """Open (or create) the store at ``root``; ``renamed`` maps version-0 owners to today's.
+        StoreUnavailable when it cannot be used as it is."""
         self.root = root
         self.files_dir = root / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        # autocommit mode: transactions are explicit (BEGIN IMMEDIATE takes the write lock up front,
-        # so two replicas never deadlock upgrading a read to a write)
-        self.db = sqlite3.connect(root / DB_NAME, timeout=30.0, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # a committed result survives a killed process
-        self.db.executescript(_SCHEMA)
+        try:
+            self.files_dir.mkdir(parents=True, exist_ok=True)
+            self._refuse_empty_over_files(root / DB_NAME)
+            # autocommit mode: transactions are explicit (BEGIN IMMEDIATE takes the write lock up front,
+            # so two replicas never deadlock upgrading a read to a write)
+            self.db = sqlite3.connect(root / DB_NAME, timeout=30.0, isolation_level=None, check_same_thread=False)
+        except OSError as exc:
+            raise StoreUnavailable(f"the batch store {root} cannot be opened: {exc.strerror or exc}") from None
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the batch store {root / DB_NAME} cannot be opened: {exc}") from None
+        try:
+            self._check()
+            self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # a new database gives finished batches' space back
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA journal_size_limit=67108864")  # the WAL shrinks back to 64 MiB after a burst
+            self.db.execute("PRAGMA synchronous=NORMAL")  # a committed result survives a killed process
+            self.db.executescript(_SCHEMA)
+            self._migrate(renamed or {})
+        except sqlite3.Error as exc:
+            self.db.close()
+            raise StoreUnavailable(f"the batch store {root / DB_NAME} cannot be used: {exc}") from None
+        except StoreUnavailable:
+            self.db.close()
+            raise
+
+    def _refuse_empty_over_files(self, path: Path) -> None:
+        """A 0-byte database beside stored files lost its history: say so rather than start over."""
+        if path.exists() and path.stat().st_size == 0 and any(self.files_dir.iterdir()):
+            raise StoreUnavailable(f"the batch store {path} is empty (0 bytes) but {self.files_dir} holds files:"
+                                   " its batches' history is gone; restore it, or move it away to start a new one")
+
+    def _check(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreUnavailable(f"the batch store {self.root / DB_NAME} has schema version {version}, newer than"
+                                   f" this kvflow's {SCHEMA_VERSION}")
+        problems = [row[0] for row in self.db.execute("PRAGMA quick_check(3)").fetchall()]
+        if problems != ["ok"]:
+            raise StoreUnavailable(f"the batch store {self.root / DB_NAME} is damaged: {'; '.join(problems)}")
+
+    def _migrate(self, renamed: dict[str, str]) -> None:
+        with self._tx() as db:
+            if db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+                return  # another replica did it
+            for old, new in renamed.items():
+                for table in ("files", "batches"):
+                    db.execute(f"UPDATE {table} SET owner = ? WHERE owner = ?", (new, old))
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         self.db.close()
@@ -139,6 +199,16 @@ class Store:
     def read_file(self, owner: str, file_id: str) -> bytes:
         self.get_file(owner, file_id)
         return self.file_path(file_id).read_bytes()
+
+    def owned_path(self, owner: str, file_id: str) -> Path:
+        """Where the bytes of a file ``owner`` has are (NotFoundError for anyone else's)."""
+        self.get_file(owner, file_id)
+        return self.file_path(file_id)
+
+    def stored_bytes(self, owner: str) -> int:
+        """What ``owner``'s files take: uploads and batch results."""
+        return int(self.db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner = ?",
+                                   (owner,)).fetchone()[0])
 
     def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                    newest_first: bool) -> tuple[list[FileRecord], bool]:
@@ -366,6 +436,7 @@ class Store:
         for kind, size in sizes.items():
             if not size:
                 self.file_path(ids[kind]).unlink(missing_ok=True)
+        self.db.execute("PRAGMA incremental_vacuum")  # the lines' pages back to the disk
         return self.get_batch(None, batch_id)
 
     def _write_results(self, batch_id: str, file_id: str, *, ok: bool) -> int:
@@ -438,4 +509,5 @@ class AsyncStore:
         self._thread.shutdown(wait=True)
 
 
-__all__ = ["AsyncStore", "Claimed", "NewLine", "Result", "Store", "new_id", "PENDING", "CLAIMED", "DONE"]
+__all__ = ["AsyncStore", "Claimed", "NewLine", "Result", "Store", "StoreUnavailable", "new_id", "PENDING", "CLAIMED",
+           "DONE", "SCHEMA_VERSION"]
