@@ -31,7 +31,8 @@ from kvflow.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvflow.gateway.pd import decode_body, encode, prefill
 from kvflow.gateway.pools import Pool, PoolRouter, build_pool, build_router
 from kvflow.gateway.proxy import (
-    AttemptFailed, Exchange, Upstream, send_error, send_json, stream_response, try_targets, whole_response,
+    AttemptFailed, Exchange, Upstream, first_byte_timeout, send_error, send_json, stream_response, try_targets,
+    whole_response,
 )
 from kvflow.gateway.validation import validate
 from kvflow.router import status_api
@@ -294,6 +295,7 @@ class Gateway:
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
                      lora: str | None) -> None:
         router = pool.router
+        first_byte = first_byte_timeout(self.upstream.timeouts, body, batch=ex.mode == "batch")  # before mode is set
         tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
         sreq = scheduling_request(body, request.headers, tokens, request_id=ex.request_id,
                                   names=self.pool_names[pool.model], max_prompt_tokens=router.max_prompt_tokens)
@@ -317,13 +319,15 @@ class Gateway:
 
             answer = await try_targets(self.upstream, ex, result.targets[: self._attempts], request.path, payload,
                                        upstream_headers, stream=body.get("stream") is True,
-                                       on_attempt=flight.send, on_failure=failed)
+                                       on_attempt=flight.send, on_failure=failed, first_byte=first_byte)
             if answer.first_chunk is None:
                 flight.first_token(observe=False)  # the whole answer at once: no time to first token
                 whole_response(out, ex, answer)
             else:
                 flight.first_token()
                 await stream_response(out, ex, answer, self._idle)
+                if ex.error == "midstream":  # the pod stalled or broke after the first token: its failure too
+                    flight.failed(answer.endpoint)
 
     async def _prefill(self, ex: Exchange, pool: Pool, flight: Flight, endpoint: Endpoint, path: str,
                        body: dict[str, Any], headers: Mapping[str, str]) -> bytes:

@@ -66,10 +66,22 @@ class PoolConfig(_Strict):
 
 
 class TimeoutConfig(_Strict):
+    """Towards the pods. A timed-out attempt is retried on the next candidate and counts against
+    the pod's passive health (``router/outliers.py``)."""
+
     connect: float = Field(5.0, gt=0)
     """Seconds to open a connection to a pod."""
-    first_byte: float = Field(300.0, gt=0)
-    """Seconds from sending a request until the first byte of the answer (prefill included)."""
+    first_byte: float = Field(60.0, gt=0)
+    """Seconds from sending a request until the first chunk of a stream (prefill included)."""
+    per_token: float = Field(0.2, ge=0)
+    """A non-streamed answer comes whole: it gets ``first_byte`` plus this for each token it may
+    generate (``max_tokens``, times ``n``) ..."""
+    answer: float = Field(900.0, gt=0)
+    """... and at most this many seconds (also when it sets no ``max_tokens``)."""
+    prefill: float = Field(300.0, gt=0)
+    """P/D: seconds for the prefill leg's answer (the whole prompt computed)."""
+    batch: float = Field(3600.0, gt=0)
+    """A Batch API line's whole answer."""
     idle: float = Field(60.0, gt=0)
     """Seconds an answer may stay silent between chunks once it has begun."""
 

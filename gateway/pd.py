@@ -72,7 +72,7 @@ def encode(body: Mapping[str, Any]) -> bytes:
 async def prefill(upstream: Upstream, endpoint: Endpoint, path: str, body: Mapping[str, Any],
                   headers: Mapping[str, str]) -> dict[str, Any] | None:
     """Run the prefill step; the KV params for the decode pod, or AttemptFailed."""
-    response = await upstream.send(endpoint, path, encode(prefill_body(body)), headers)
+    response = await upstream.send(endpoint, path, encode(prefill_body(body)), headers, upstream.timeouts.prefill)
     raw = await upstream.read_body(endpoint, response)  # read to the end and released
     if response.status != 200:
         raise AttemptFailed(f"prefill_status_{response.status}",

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 from kvflow.errors import KvflowError, UpstreamError
@@ -97,18 +98,24 @@ class Upstream:
     async def stop(self) -> None:
         self.pool.close()
 
-    async def send(self, endpoint: Endpoint, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
-        """The pod's response, headers read; a 5xx or an unreachable pod raises AttemptFailed."""
+    async def send(self, endpoint: Endpoint, path: str, body: bytes, headers: Mapping[str, str],
+                   timeout: float | None = None) -> Response:
+        """The pod's response, headers read within ``timeout`` (default ``timeouts.first_byte``).
+
+        A 5xx, a 404 (the gateway checked the model: a pod that does not know it serves another)
+        or an unreachable pod raises AttemptFailed: nothing has reached the client, so the next
+        candidate may serve it, and the router counts the failure against the pod."""
+        timeout = timeout or self.timeouts.first_byte
         try:
             response = await self.pool.post(endpoint.host, endpoint.port, path, body, headers.items(),
-                                            timeout=self.timeouts.first_byte)
+                                            timeout=timeout)
         except ConnectError as exc:
             raise AttemptFailed("connect", f"{endpoint.id}: {exc}", dead=True) from None
         except TimeoutError:
-            raise AttemptFailed("timeout", f"{endpoint.id}: no answer in {self.timeouts.first_byte:g}s") from None
+            raise AttemptFailed("timeout", f"{endpoint.id}: no answer in {timeout:g}s") from None
         except OSError as exc:
             raise AttemptFailed("disconnect", f"{endpoint.id}: {exc}") from None
-        if response.status >= 500:
+        if response.status >= 500 or response.status == 404:
             detail = await self._drain(response)
             raise AttemptFailed(f"status_{response.status}", f"{endpoint.id}: HTTP {response.status} {detail}")
         return response
@@ -125,9 +132,9 @@ class Upstream:
         response.release()
         return body
 
-    async def first_chunk(self, endpoint: Endpoint, response: Response) -> bytes:
+    async def first_chunk(self, endpoint: Endpoint, response: Response, timeout: float | None = None) -> bytes:
         try:
-            chunk = await response.readany(self.timeouts.first_byte)
+            chunk = await response.readany(timeout or self.timeouts.first_byte)
         except (OSError, TimeoutError) as exc:
             response.close()
             raise AttemptFailed("stream_start", f"{endpoint.id}: stream failed: {exc}") from None
@@ -163,23 +170,30 @@ class Answer:
 
 async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoint], path: str,
                       body: bytes, headers: Mapping[str, str], *, stream: bool,
-                      on_attempt: OnAttempt | None = None, on_failure: OnFailure | None = None) -> Answer:
+                      on_attempt: OnAttempt | None = None, on_failure: OnFailure | None = None,
+                      first_byte: float | None = None) -> Answer:
     """The first pod in ``targets`` that answers; UpstreamError when none does.
 
     ``on_attempt(endpoint)`` hears about every attempt before it is sent, and
     ``on_failure(endpoint, failure)`` about every one that failed (metrics, the router's accounting).
+    Each attempt has ``first_byte`` seconds (``first_byte_timeout``) until its first chunk, or
+    its whole answer when not streamed.
     """
     failures: list[str] = []
+    timeout = first_byte or upstream.timeouts.first_byte
+    loop = asyncio.get_running_loop()
     for endpoint in targets:
         if failures:
             ex.retries += 1
         if on_attempt is not None:
             on_attempt(endpoint)
         try:
-            response = await upstream.send(endpoint, path, body, headers)
+            due = loop.time() + timeout
+            response = await upstream.send(endpoint, path, body, headers, timeout)
             ex.endpoint = endpoint
             if stream and response.status == 200:
-                return Answer(endpoint, response, first_chunk=await upstream.first_chunk(endpoint, response))
+                chunk = await upstream.first_chunk(endpoint, response, max(0.001, due - loop.time()))
+                return Answer(endpoint, response, first_chunk=chunk)
             return Answer(endpoint, response, body=await upstream.read_body(endpoint, response))
         except AttemptFailed as failure:
             failures.append(_said(failure.reason))
@@ -190,6 +204,23 @@ async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoi
     # the client learns what went wrong, not which pods exist (their addresses are in the log)
     tried = f"{len(failures)} attempt(s) failed: {', '.join(failures)}" if failures else "no endpoint to try"
     raise UpstreamError(f"no model server could serve the request ({tried})")
+
+
+def first_byte_timeout(timeouts: TimeoutConfig, body: Mapping[str, Any], *, batch: bool = False) -> float:
+    """Seconds an attempt may take to its first byte: ``first_byte`` for a stream's first chunk
+    (interactive: a hung pod is left for the next one soon); a non-streamed answer's head comes
+    with the whole answer, so it also gets ``per_token`` for each token it may generate (at most
+    ``answer``); a Batch API line gets ``batch``."""
+    if batch:
+        return timeouts.batch
+    if body.get("stream") is True:
+        return timeouts.first_byte
+    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        return timeouts.answer
+    n = body.get("n")
+    choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return min(timeouts.answer, timeouts.first_byte + timeouts.per_token * tokens * choices)
 
 
 def _said(reason: str) -> str:

@@ -24,6 +24,8 @@ class _State:
     scrape_ok: bool = True
     """Optimistic until the first failure: an unscraped pool still routes."""
     marked_failed: bool = False
+    ejected: bool = False
+    """Out of rotation for failing requests (passive health, ``router/outliers.py``)."""
     last_ok: float | None = None
     counter: LoadCounter = field(default_factory=LoadCounter)
     view: EndpointView | None = None
@@ -37,7 +39,8 @@ class _State:
     def current(self) -> EndpointView:
         if self.view is None:
             self.view = EndpointView(
-                self.endpoint, self.metrics, self.scrape_ok and not self.marked_failed, counter=self.counter,
+                self.endpoint, self.metrics, self.scrape_ok and not self.marked_failed and not self.ejected,
+                counter=self.counter,
                 adapters=self.adapters,
             )
         return self.view
@@ -143,6 +146,14 @@ class Datastore:
         state = self._states.get(endpoint_id)
         if state is not None and not state.marked_failed:
             state.marked_failed = True
+            state.changed()
+            self._invalidate()
+
+    def set_ejected(self, endpoint_id: EndpointId, ejected: bool) -> None:
+        """Take the pod out of rotation for its failing requests, or put it back (scrapes do not)."""
+        state = self._states.get(endpoint_id)
+        if state is not None and state.ejected != ejected:
+            state.ejected = ejected
             state.changed()
             self._invalidate()
 

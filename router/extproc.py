@@ -326,10 +326,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         flight = ex.flight
         if flight is None or ex.result is None:
             return
-        served = ex.status < 500
+        served = ex.status < 500 and ex.status != 404  # 404: the model was checked; the pod serves another
         flight.prefill_done(ok=served)
         if not served:  # Envoy could not reach the pod, or the pod failed it: nothing was computed there
-            flight.failed(ex.result.targets[0])
+            flight.failed(ex.result.targets[0])  # and the router counts it against the pod (passive health)
 
     def _finish(self, ex: _Exchange) -> None:
         if ex.flight is not None and not ex.finished:

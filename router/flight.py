@@ -102,7 +102,7 @@ class Flight:
 
     __slots__ = (
         "request", "result", "_counter", "_cached_blocks", "_block_size", "_learn", "_forget", "_prefilled",
-        "_clock", "_step_tokens", "_leg", "_prefill", "_remote", "served", "_done",
+        "_clock", "_step_tokens", "_leg", "_prefill", "_remote", "served", "_done", "_answered",
     )
 
     def __init__(
@@ -118,6 +118,7 @@ class Flight:
         clock: Callable[[], float],
         step_tokens: int = 0,
         prefilled: Learn | None = None,
+        answered: Learn | None = None,
     ) -> None:
         self.request = request
         self.result = result
@@ -127,6 +128,8 @@ class Flight:
         self._learn = learn
         self._forget = forget
         self._prefilled = prefilled or _nothing
+        self._answered = answered or _nothing
+        """Told when a pod answered an attempt (passive health counts its failures in a row)."""
         self._clock = clock
         self._step_tokens = step_tokens
         self._leg: _Leg | None = None
@@ -162,6 +165,7 @@ class Flight:
         if ok:
             leg.prefilled()
             self._observe(leg)
+            self._answered(leg.endpoint, True)
         leg.release(self._clock(), undo=not ok)
         self._remote = ok
         self._prefilled(leg.endpoint, True)
@@ -210,6 +214,8 @@ class Flight:
         leg, self._leg = self._leg, None
         if leg is not None:
             self.served = leg.endpoint
+            if not leg.prefilling:  # it answered, and did not fail before the end (a stream may stall)
+                self._answered(leg.endpoint, False)
             leg.release(self._clock(), undo=False)
             self._prefilled(leg.endpoint, False)
 

@@ -7,6 +7,7 @@ Synchronous in the middle (``schedule`` over a frozen snapshot), asynchronous at
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,7 @@ from kvflow.errors import InvalidRequestError, KvflowError, RateLimitError
 from kvflow.router.config import DEFAULT_MAX_PROMPT_TOKENS, RouterConfig
 from kvflow.router.datastore import Datastore
 from kvflow.router.flight import Flight
+from kvflow.router.outliers import EjectionPolicy, Outliers
 from kvflow.router.framework import Cycle, Profile, StartedHook
 from kvflow.router.fingerprint import Fingerprinter, PromptFingerprints, request_keys
 from kvflow.router.kv_events import KvEventSubscriber
@@ -33,6 +35,8 @@ from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, Speculati
 from kvflow.router.scraper import Scraper
 from kvflow.tokenizer import Tokenizer, load_tokenizer, prompt_token_ids
 from kvflow.endpoints import Endpoint, EndpointId
+
+log = logging.getLogger(__name__)
 
 PROFILE_HEADER = "x-kvflow-profile"
 """A request may name another configured profile (benchmarks, A/B tests)."""
@@ -95,6 +99,7 @@ class Router:
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = monotonic,
         secret: bytes | None = None,
+        ejection: EjectionPolicy | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(None)
@@ -121,6 +126,8 @@ class Router:
         )
         self.metrics = RouterMetrics(config.pool_name)
         self.log = DecisionLog()
+        self.outliers = Outliers(ejection or EjectionPolicy())
+        """Passive health: pods ejected for failing requests the others serve (``router/outliers.py``)."""
         # Fingerprints computed while scheduling, reused when the request starts (approx index
         # update); None for a decision that did not read prefixes (nothing to learn).
         self._pending: OrderedDict[str, _Decided] = OrderedDict()
@@ -239,6 +246,8 @@ class Router:
         # dozen µs of sets and records freed, of no use to this decision (a guess then lives a
         # decision longer than its ``ttl``).
         self._later(self.speculative.expire, self._clock())
+        if self.outliers.next_due <= self._clock():
+            self._readmit()
         decoders, prefillers = self.datastore.by_role()
         try:
             decision = decide(
@@ -313,6 +322,7 @@ class Router:
                 self.speculative.prefilled(endpoint.id, guess)
 
         def forget(endpoint: Endpoint, prefill: bool) -> None:
+            self._attempt_failed(endpoint)
             prefilled(endpoint, prefill)
             if learned is not None:
                 self.approx.discard(endpoint.id, learned)
@@ -321,8 +331,24 @@ class Router:
         return Flight(
             request, result, counter=self.datastore.counter, cached_blocks=decided.matches,
             block_size=self.config.block_size, learn=learn, forget=forget, prefilled=prefilled, clock=self._clock,
-            step_tokens=self.config.step_tokens,
+            step_tokens=self.config.step_tokens, answered=self._attempt_answered,
         )
+
+    def _attempt_failed(self, endpoint: Endpoint) -> None:
+        """An attempt there failed (timeout, 5xx, wrong model, reset): maybe eject the pod."""
+        if self.outliers.failed(endpoint.id, self._clock(), len(self.datastore.endpoints)):
+            self.datastore.set_ejected(endpoint.id, True)
+            self.metrics.ejections.labels(self.config.pool_name, endpoint.id).inc()
+            log.warning("ejected %s for %.0f s after %d failed requests in a row", endpoint.id,
+                        self.outliers.pods[endpoint.id].until - self._clock(), self.outliers.policy.consecutive_failures)
+
+    def _attempt_answered(self, endpoint: Endpoint, prefill: bool) -> None:
+        self.outliers.succeeded(endpoint.id)
+
+    def _readmit(self) -> None:
+        for eid in self.outliers.due(self._clock()):
+            self.datastore.set_ejected(eid, False)
+            log.info("readmitted %s after its ejection", eid)
 
     def _touch(self, counter: LoadCounter, fingerprints: np.ndarray) -> None:
         counter.touched(fingerprints, self._clock())
@@ -403,6 +429,7 @@ class Router:
         self.approx.clear(endpoint.id)
         self.precise.clear(endpoint.id)
         self.speculative.clear(endpoint.id)
+        self.outliers.forget(endpoint.id)
         for closer in (self._scraper.remove if self._scraper else None, self._kv.remove if self._kv else None):
             if closer is not None:
                 task = asyncio.get_running_loop().create_task(closer(endpoint.id))

@@ -29,8 +29,8 @@ from kvflow.gateway.body import client_body, scrub_answer
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.httpserver import Request, Responder
 from kvflow.gateway.pd import decode_body, encode, prefill
-from kvflow.gateway.proxy import AttemptFailed, Exchange, Upstream, send_error, stream_response, try_targets, \
-    whole_response
+from kvflow.gateway.proxy import AttemptFailed, Exchange, Upstream, first_byte_timeout, send_error, stream_response, \
+    try_targets, whole_response
 from kvflow.gateway.server import limits_of, listen
 from kvflow.heap import settle_heap
 from kvflow.endpoints import Endpoint, parse_host_port
@@ -95,7 +95,8 @@ class Sidecar:
             params, ex.mode = None, "pd_fallback"
         self.counts[ex.mode] += 1
         answer = await try_targets(self.upstream, ex, [self.local], request.path, encode(decode_body(body, params)),
-                                   headers, stream=body.get("stream") is True)
+                                   headers, stream=body.get("stream") is True,
+                                   first_byte=first_byte_timeout(self.config.timeouts, body))
         if answer.first_chunk is None:
             whole_response(out, ex, answer)
         else:
@@ -103,16 +104,17 @@ class Sidecar:
 
     async def _pass_through(self, request: Request, out: Responder, ex: Exchange) -> None:
         self.counts["passthrough"] += 1
-        body = request.body
+        body, timeout = request.body, self.config.timeouts.first_byte
         if request.path in _GENERATE and body:  # parsed, not searched: JSON may spell the key with escapes
             parsed, stripped = client_body(body, self.config.http.max_json_depth, self.config.client_kv_transfer_params)
             if stripped:
                 body = encode(parsed)
+            timeout = first_byte_timeout(self.config.timeouts, parsed)  # a whole answer's head comes at its end
         headers = [(k, v) for k, v in request.headers.items() if k not in _HOP_BY_HOP]
         path = request.path + (f"?{request.query}" if request.query else "")
         try:
             response = await self.upstream.pool.post(self.local.host, self.local.port, path, body, headers,
-                                                     timeout=self.config.timeouts.first_byte, method=request.method)
+                                                     timeout=timeout, method=request.method)
         except (OSError, TimeoutError) as exc:
             log.warning("request %s: local model server %s: %s", ex.request_id, self.local.id, exc)
             raise UpstreamError(f"the local model server failed ({type(exc).__name__})") from None

@@ -136,3 +136,22 @@ async def test_bodies_beyond_the_shared_budget_get_503_and_the_budget_frees_when
     raw = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
     out = await client.exchange(headers(len(raw)), body(raw))
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+
+
+def response_headers(status: int) -> pb.ProcessingRequest:
+    hmap = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())])
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hmap, end_of_stream=True))
+
+
+async def test_a_pod_answering_404_for_the_pools_model_is_ejected_after_three(extproc) -> None:  # type: ignore[no-untyped-def]
+    """Behind Envoy the 404 has reached the client; the router still stops sending there."""
+    client = await extproc()
+    raw = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
+    picked: list[str] = []
+    for _ in range(6):
+        out = await client.exchange(headers(len(raw)), body(raw), response_headers(404), stop_after=3)
+        routed = {h.header.key: h.header.raw_value.decode() for h in out[0].request_headers.response.header_mutation.set_headers}
+        picked.append(routed["x-gateway-destination-endpoint"])
+    ejected = [v.id for v in client.router.datastore.snapshot() if not v.healthy]
+    assert len(ejected) == 1 and picked.count(ejected[0]) >= 3  # one of two pods may go, never both
+    assert client.router.outliers.pods[ejected[0]].ejections == 1
