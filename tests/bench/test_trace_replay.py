@@ -150,3 +150,32 @@ def test_the_tiered_workloads_pods_get_a_cpu_tier_of_exactly_its_blocks() -> Non
     working_set = dict(e.params)["groups"] * dict(e.params)["system_len"] // 16  # type: ignore[operator]
     assert working_set > e.decode_pods * e.num_blocks  # the prompts do not fit the GPUs
     assert WORKLOADS["e-cpu"].cpu_blocks >= working_set  # they fit one pod's CPU tier
+
+
+def test_kvflows_router_replayed_on_offloading_pods_learns_their_cpu_tiers_from_events() -> None:
+    """The replayed router hears the pods' CPU-tier events through the wire format: every one
+    fingerprinted (none unchained), and at the end it believes each pod's tier holds as many
+    blocks as it does."""
+    from dataclasses import replace
+
+    from kvbench.oracle import Pod
+    from kvbench.replay_kvflow import KvflowReplay
+    from kvbench.workloads import SMOKE
+
+    class Watching(KvflowReplay):
+        def __init__(self, pods: int, num_blocks: int) -> None:
+            super().__init__(pods, num_blocks)
+            self.pods: dict[int, Pod] = {}
+
+        def stepped(self, pod: Pod, now: float) -> None:
+            self.pods[pod.index] = pod
+            super().stepped(pod, now)
+
+    w = replace(SMOKE, num_blocks=60, cpu_blocks=400)  # the system prompts overflow the GPU pools
+    policy = Watching(w.decode_pods, w.num_blocks)
+    result = oracle.replay(w.trace(rate=6.0, duration=6.0), policy, pods=w.decode_pods,
+                           profile=get_profile("h100-llama8b"), num_blocks=w.num_blocks, cpu_blocks=w.cpu_blocks)
+    assert not any(math.isnan(t) for t in result.ttft) and policy.unchained == 0
+    held = {i: pod.scheduler.pool.offload.num_used for i, pod in policy.pods.items()}  # type: ignore[union-attr]
+    assert sum(held.values()) > 0
+    assert {i: policy.router.precise.cpu.blocks_of(policy.endpoints[i].id) for i in held} == held
