@@ -566,6 +566,14 @@ class LLMServiceSpec(_Model):
             if engine.multi_node and self.engine.kind != "vllm":
                 raise ValueError(f"{self.section_name(role)}: a multi-node pool (parallelism.data / "
                                  "parallelism.dataLocal > 1) needs engine.kind vllm")
+            if engine.kv_offloading_size and self.engine.kind == "vllm":
+                if self.disaggregated and self.kv_transfer.connector != "None":
+                    raise ValueError("engine.kvOffloadingGiB with P/D would need vLLM's MultiConnector (NIXL and "
+                                     "offloading together), which the operator does not render: offload on an "
+                                     "aggregated service")
+                if engine.accelerator is None:
+                    raise ValueError("engine.kvOffloadingGiB needs a GPU: vLLM's CPU offloading does not start "
+                                     "on CPU engines (engine.accelerator none)")
             self._check_devices(role, engine)
         if self.routing.picker == "gie":
             if self.disaggregated:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 
 from kvflow.operator.objects import Obj
@@ -98,7 +99,9 @@ def _model_claim(svc: LLMService) -> str | None:
 def engine_storage(svc: LLMService) -> Storage:
     """/dev/shm, the model (PVC, image volume, or the hub cache), and every LoRA adapter."""
     model = svc.spec.model
-    shm = Storage(({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},),
+    # vLLM's native CPU offloading keeps its pool in shared memory: room for it too.
+    offload = max((svc.spec.engine_for(role).kv_offloading_size or 0) for role in svc.spec.roles)
+    shm = Storage(({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{8 + math.ceil(offload)}Gi"}},),
                   ({"name": "shm", "mountPath": "/dev/shm"},))
     storage = shm + _source_storage(model.source, "model", f"{MODELS_DIR}/oci", _model_claim(svc))
     if model.scheme == "hf":

@@ -679,6 +679,9 @@ def test_a_cpu_kv_tier_adds_its_memory_and_vllms_flags() -> None:
     assert engine["resources"]["limits"]["memory"] == str(48 * gib + 64 * gib)
     router = config_file(objs, "qwen-chat-router", "router.yaml")
     assert router["kvEvents"]["predictEvictions"] is False  # a CPU tier keeps what the GPU evicts
+    pod = by_kind(objs, "Deployment", "qwen-chat-aggregated")["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")  # vLLM keeps the CPU pool in shared memory
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "72Gi"}
 
 
 def test_a_keda_pool_at_zero_wakes_on_the_gateways_held_requests() -> None:

@@ -80,6 +80,10 @@ BAD_SPECS: dict[str, tuple[dict[str, Any], str, str]] = {
     "two-accelerators": ({"engine": {"kind": "vllm", "accelerator": "amd.com/gpu"},
                           "decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "",
                          "ask for nvidia.com/gpu but the engine's accelerator is amd.com/gpu"),
+    "offloading-with-pd": ({"engine": {"kind": "vllm", "kvOffloadingGiB": 32}, "prefill": {"replicas": 1}}, "",
+                           "would need vLLM's MultiConnector"),
+    "offloading-on-cpu": ({"engine": {"kind": "vllm", "kvOffloadingGiB": 32, "accelerator": "none"}}, "",
+                          "vLLM's CPU offloading does not start on CPU engines"),
     "engine-args-in-pod-template": ({"decode": {"podTemplate": {"spec": {"containers": [
         {"name": "engine", "args": ["serve", "--tensor-parallel-size", "4"]}]}}}},
         "must not set command, args or image", "podTemplate.spec.containers[engine].args is owned by the operator"),
