@@ -290,7 +290,7 @@ def idle_plot(throughput: list[tuple[str, float]], latencies: list[Latency], pat
 # --- entry point ----------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvflow bench batch", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow bench batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["idle", "static", "all"], default="all")
     p.add_argument("--lines", type=int, default=1200, help="idle: lines of the throughput batch")

@@ -223,7 +223,7 @@ def measure(name: str, url: str, hosts: list[str], pid: int | None, args: argpar
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pods", type=int, default=2)
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--seconds", type=float, default=3.0, help="throughput run per target and round")

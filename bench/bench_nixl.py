@@ -356,7 +356,7 @@ def run_on_uvloop(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--shapes", default="tiny,llama-3.2-1b,llama-3.1-8b")
     parser.add_argument("--caches", choices=tuple(CACHES), default="data-cold", help="; ".join(

@@ -468,7 +468,7 @@ def render_cost(metrics: Any) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per loaded round and condition")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--clients", type=int, default=64)

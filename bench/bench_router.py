@@ -426,7 +426,7 @@ def plot(rows: list[DecisionRow], memory_rows: list[MemoryRow], path: Path) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeat", type=int, default=60)
     p.add_argument("--grid", default=None, help="e.g. 64:100000,1000:1000000")

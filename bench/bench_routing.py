@@ -49,7 +49,7 @@ OUT = ROOT / "bench" / "out"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvflow bench routing", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow bench routing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], choices=list(WORKLOADS),
                    help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D, "

@@ -213,7 +213,7 @@ def plot(idle: list[str], figures: dict[str, dict[str, float]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--idle-seconds", type=float, default=30.0)
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per replayed trace")
     p.add_argument("--seeds", type=int, default=5, help="replayed traces per workload")

@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--max-tokens", type=int, default=16)

@@ -296,7 +296,7 @@ def plot(r: Report, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=20.0, help="requests a second, half of them streamed")
     p.add_argument("--faults", type=int, default=2, help="kill+restart and SIGSTOP rounds")

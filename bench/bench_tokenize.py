@@ -120,7 +120,7 @@ def summary(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["a", "b", "c"],
                    choices=sorted(w for w in WORKLOADS if WORKLOADS[w].prefill_pods == 0))
     p.add_argument("--tokenizer", type=Path, default=TINY_LLAMA, help="a Hugging Face tokenizer folder")

@@ -279,7 +279,7 @@ def granian_app() -> GatewayApp:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", choices=["own", "uvicorn", "granian"], default="own")
     p.add_argument("--client", choices=["own", *CLIENTS], default="own")
     args, gateway_argv = p.parse_known_args(argv)

@@ -90,7 +90,7 @@ def report(folder: Path, workload: str, seed: int, rate: float, duration: float 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--workload", choices=sorted(w for w in WORKLOADS if not WORKLOADS[w].pd), required=True)
     parser.add_argument("--seed", type=int, default=0)

@@ -60,7 +60,7 @@ def parse_lag(text: str) -> oracle.Lag:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["a", "b", "c"],
                    choices=sorted(w for w in WORKLOADS if WORKLOADS[w].prefill_pods == 0))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])

@@ -24,7 +24,7 @@ from kvflow.sim.profiles import get_profile
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=sorted(w for w in WORKLOADS if WORKLOADS[w].prefill_pods == 0), default="b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", type=float, required=True, help="requests per second (the bench's saturation rate)")

@@ -23,7 +23,7 @@ from kvflow.gateway.discovery import discover
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvflow gateway", description="The OpenAI-compatible kvflow gateway.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow gateway", description="The OpenAI-compatible kvflow gateway.")
     p.add_argument("--config", help="YAML/JSON gateway config (pools for many models)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")

@@ -18,13 +18,13 @@ from kvflow.operator.spec import InvalidSpecError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvflow operator", description="The kvflow Kubernetes operator.")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow operator", description="The kvflow Kubernetes operator.")
     sub = parser.add_subparsers(dest="command", required=True)
-    render = sub.add_parser("render", help="print, as YAML, every child object of the LLMService(s) in FILE")
+    render = sub.add_parser("render", allow_abbrev=False, help="print, as YAML, every child object of the LLMService(s) in FILE")
     render.add_argument("file", help="a YAML file with LLMService documents ('-' for stdin)")
     render.add_argument("--kvflow-image", default=None, help="image of the kvflow components")
     render.add_argument("--vllm-image", default=None, help="default image of vLLM engines")
-    run = sub.add_parser("run", help="run the operator (kopf) against the current cluster")
+    run = sub.add_parser("run", allow_abbrev=False, help="run the operator (kopf) against the current cluster")
     run.add_argument("--namespace", "-n", action="append", default=[],
                      help="watch only this namespace (repeatable); default: all namespaces")
     run.add_argument("--interval", type=float, default=float(os.environ.get("KVFLOW_INTERVAL", "15")),
@@ -52,11 +52,20 @@ def _images(kvflow: str | None, vllm: str | None) -> names.Images:
 def render_command(path: str, images: names.Images) -> int:
     from kvflow.operator.render import render_yaml
 
-    text = sys.stdin.read() if path == "-" else pathlib.Path(path).read_text(encoding="utf-8")
+    import yaml
+
+    try:
+        text = sys.stdin.read() if path == "-" else pathlib.Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"kvflow operator render: cannot read {path}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 2
     try:
         sys.stdout.write(render_yaml(text, images))
     except InvalidSpecError as exc:
         print(f"kvflow operator render: invalid LLMService in {path}: {exc}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:
+        print(f"kvflow operator render: {path} is not YAML: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0
 

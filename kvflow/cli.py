@@ -7,6 +7,7 @@ CLI never drags in a component's dependencies.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -49,6 +50,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.main(rest) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a mistake in what was asked is one line; KVFLOW_TRACEBACK=1 shows where
+        if not mistake(exc) or os.environ.get("KVFLOW_TRACEBACK"):
+            raise
+        print(f"kvflow {name}: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def mistake(exc: BaseException) -> bool:
+    """What a wrong option, a missing or malformed file, or a taken port raises: ValueError
+    (pydantic's ValidationError and JSON errors are ones), OSError, and YAML's errors."""
+    return isinstance(exc, ValueError | OSError) or type(exc).__module__.startswith("yaml")
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return text[:500]
 
 
 if __name__ == "__main__":

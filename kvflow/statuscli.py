@@ -134,7 +134,7 @@ def show(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvflow status", description="Pods, routing decisions and batches, as tables.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow status", description="Pods, routing decisions and batches, as tables.")
     p.add_argument("--url", default=os.environ.get("KVFLOW_URL", "http://127.0.0.1:8080"),
                    help="the gateway, or a router's metrics port (default $KVFLOW_URL or http://127.0.0.1:8080)")
     p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"), help="an admin API key ($KVFLOW_API_KEY)")

@@ -61,9 +61,9 @@ def fetch(repo: str, out: Path, *, revision: str = "main", endpoint: str | None 
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvflow tokenizer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow tokenizer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    get = sub.add_parser("fetch", help="download a hub model's tokenizer files into DIR")
+    get = sub.add_parser("fetch", allow_abbrev=False, help="download a hub model's tokenizer files into DIR")
     get.add_argument("source", help="hf://ORG/NAME")
     get.add_argument("dir", type=Path)
     get.add_argument("--revision", default="main")

@@ -323,8 +323,13 @@ def read_source(source: str | Path | Mapping[str, Any] | None) -> Mapping[str, A
     if isinstance(source, Mapping):
         return source
     path = Path(source)
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except OSError as exc:
+        raise ValueError(f"cannot read router config {path}: {exc.strerror or exc}") from None
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid router config {path}: {' '.join(str(exc).split())}") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):

@@ -44,7 +44,7 @@ log = logging.getLogger("kvflow.sim")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvflow sim", description="A vLLM-compatible model-server simulator.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow sim", description="A vLLM-compatible model-server simulator.")
     a = p.add_argument
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)

