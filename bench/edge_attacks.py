@@ -15,7 +15,12 @@ front of a real ``kvflow sim`` pod (child processes on 127.0.0.x), and prints on
 * **body crowd**: ``--bodies`` connections (300) without an API key each send an 8 MiB body,
   twice; the gateway's RSS before, at its peak, and after each wave, and the answers' statuses;
 * **large answer**: a non-streamed completion of 6,000 tokens with 20 logprobs (3.66 MB);
-* **escaped P/D key**: ``"kv_transfer_p\\u0061rams"`` in a body (a 400 where refused).
+* **escaped P/D key**: ``"kv_transfer_p\\u0061rams"`` in a body (a 400 where refused);
+* **gray failures**: 30 requests, one after another, through a gateway (``--first-byte-timeout
+  5``, round-robin) over two healthy pods and one that hangs, or one that serves another model:
+  their statuses and how many waited out a timeout;
+* **clients that leave before the first token**: 9 streams on a slow pod, their clients gone;
+  how many the pod still generates for 5 s later.
 """
 
 from __future__ import annotations
@@ -180,6 +185,14 @@ async def _measure(args: argparse.Namespace, gw_port: int, gw_pid: int, key: str
         host, gw_port, {"model": "tiny", "prompt": "hi", "max_tokens": 1, "kv_transfer_p\u0061rams": {"x": 1}},
         key, 30)
     rows.append(('"kv_transfer_p\\u0061rams" in a body', f"{status}"))
+    for name, port in (("a pod that hangs", args.ports["hang"]), ("a pod serving another model", args.ports["model"])):
+        statuses, slow, seconds = await _gray(port, 30)
+        rows.append((f"30 requests, 2 healthy pods and {name}",
+                     ", ".join(f"{s or 'timeout'}: {c}" for s, c in sorted(statuses.items())) +
+                     f"; {slow} waited a 5 s timeout; {seconds:.1f} s in all"))
+    with_them, after = await _leavers(args.ports["slow"], args.slow_pod, 9)
+    rows.append(("9 streams whose clients left before the first token",
+                 f"the pod ran {with_them}; 5 s after they left: {after}"))
     return rows
 
 
@@ -188,6 +201,46 @@ _FROM_VIEW = ("import os, runpy, sys; sys.path[:] = [p for p in sys.path if p no
               "getattr(f, '__module__', type(f).__module__).startswith('__editable__')]; "
               "sys.argv[0] = 'kvflow'; runpy.run_module('kvflow', run_name='__main__')")
 """``python -m kvflow`` from ``PYTHONPATH`` rather than this checkout's editable install."""
+
+
+async def _running(url: str) -> int:
+    """The pod's ``vllm:num_requests_running``."""
+    reader, writer = await asyncio.open_connection(*url.split(":"))
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: pod\r\nConnection: close\r\n\r\n")
+    text = (await reader.read(-1)).decode(errors="replace")
+    writer.close()
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M)
+    return int(float(found.group(1))) if found else -1
+
+
+async def _gray(port: int, n: int) -> tuple[collections.Counter[int], int, float]:
+    """``n`` requests in a row: their statuses, how many took over 4 s (a timeout), the seconds in all."""
+    statuses: collections.Counter[int] = collections.Counter()
+    slow, start = 0, time.perf_counter()
+    for _ in range(n):
+        status, _, seconds = await _completion("127.0.0.1", port, {"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                                               "-", 60)
+        statuses[status] += 1
+        slow += seconds > 4
+    return statuses, slow, time.perf_counter() - start
+
+
+async def _leavers(port: int, pod: str, n: int) -> tuple[int, int]:
+    """``n`` streams whose clients leave before the first token: the pod's running count with them
+    there, and 5 s after they left."""
+    raw = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 200, "stream": True}).encode()
+    writers = []
+    for _ in range(n):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post(raw))
+        writers.append(writer)
+    deadline = time.monotonic() + 30
+    while (before := await _running(pod)) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    for writer in writers:
+        writer.close()
+    await asyncio.sleep(5.0)
+    return before, await _running(pod)
 
 
 def _argv_in(view: str) -> Callable[..., list[str]]:
@@ -219,7 +272,25 @@ def main(argv: list[str] | None = None) -> int:
                                                      "--model", "tiny", "--endpoint", f"127.0.0.5:{sim_port}",
                                                      "--api-keys-file", str(keys)),
                               env={**env, "KVFLOW_BATCH_DIR": tmp}, ready_url=f"http://127.0.0.1:{gw_port}/health")
-        group.wait_ready(60)
+        pods = {name: (f"127.0.0.{i}", free_port(f"127.0.0.{i}"))
+                for i, name in enumerate(("good1", "good2", "hang", "model", "slow"), start=6)}
+        extra = {"hang": ("--fault-stall-after", "0"), "model": ("--model", "another-model"),
+                 "slow": ("--profile", "h100-llama8b", "--fault-slow-factor", "500")}
+        for name, (host, port) in pods.items():
+            group.start(name, command("sim", "--host", host, "--port", str(port), "--model", "tiny", "--profile",
+                                      "instant", *extra.get(name, ())),
+                        env=env, ready_url=f"http://{host}:{port}/health")
+        args.ports = {}
+        for name, members in (("hang", ("good1", "good2", "hang")), ("model", ("good1", "good2", "model")),
+                              ("slow", ("slow",))):
+            args.ports[name] = port = free_port()
+            endpoints = [a for m in members for a in ("--endpoint", "{}:{}".format(*pods[m]))]
+            group.start(f"gateway-{name}", command("gateway", "--host", "127.0.0.1", "--port", str(port), "--model",
+                                                   "tiny", *endpoints, "--profile", "round-robin",
+                                                   "--first-byte-timeout", "5"),
+                        env={**env, "KVFLOW_BATCH_DIR": tmp}, ready_url=f"http://127.0.0.1:{port}/health")
+        args.slow_pod = "{}:{}".format(*pods["slow"])
+        group.wait_ready(90)
         rows = asyncio.run(_measure(args, gw_port, gateway.popen.pid, key))
     width = max(len(name) for name, _ in rows)
     print(f"| {'case':<{width}} | result |\n|{'-' * (width + 2)}|---|")
