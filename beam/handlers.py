@@ -51,14 +51,15 @@ class _KvflowModelHandler(ModelHandler[ExampleT, PredictionResult, Target], Gene
     def __init__(self, base_url: str | None = None, model: str | None = None, *, api_key: str | None = None,
                  stack: StackOptions | None = None, max_concurrency: int = 256, timeout: float = 600.0,
                  priority: int | None = None, share_across_processes: bool = False, **batching: Any) -> None:
-        """``base_url``: a gateway (``http://host:8080``); None starts a local stack (``stack``).
+        """``base_url``: a gateway, as its root (``http://host:8080``) or as OpenAI clients name it
+        (``http://host:8080/v1``); None starts a local stack (``stack``).
         ``model``: the served model (default: the gateway's first). ``max_concurrency``: requests
         in flight per batch. ``priority``: sent as ``x-kvflow-priority`` (when the gateway lets
         clients set it). ``share_across_processes``: one stack per machine instead of per worker
         process (Beam's multi-process sharing; set it on GPU workers). ``batching``: Beam's
         ``min_batch_size``, ``max_batch_size``, ... for ``BatchElements``."""
         super().__init__(**batching)
-        self._base_url = base_url.rstrip("/") if base_url else None
+        self._base_url = gateway_root(base_url) if base_url else None
         self._model = model
         self._api_key = api_key or "unused"
         self._stack = stack or StackOptions()
@@ -130,6 +131,12 @@ class KvflowChatModelHandler(_KvflowModelHandler[Sequence[Any]]):
                        args: dict[str, Any]) -> Any:
         messages: list[Any] = [dict(m) if isinstance(m, Mapping) else {"role": m.role, "content": m.content} for m in example]
         return await client.chat.completions.create(model=model, messages=messages, **args)
+
+
+def gateway_root(base_url: str) -> str:
+    """The gateway's root from either spelling: ``…:8080``, ``…:8080/`` or OpenAI's ``…:8080/v1``."""
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1") if root.endswith("/v1") else root
 
 
 def _first_model(base_url: str, api_key: str) -> str:

@@ -60,7 +60,8 @@ def test_the_chat_handler_takes_beams_message_objects_and_mappings(sim_pods: Sim
         group.start("gateway", kvflow_argv("gateway", "--port", str(port), "--model", MODEL, "--endpoint", pod.id),
                     ready_url=f"http://127.0.0.1:{port}/health")
         group.wait_ready(30)
-        handler = KvflowChatModelHandler(base_url=f"http://127.0.0.1:{port}", model=MODEL)
+        # OpenAI's spelling of the base URL (the SDK's, docs/batch.md's); the model: the gateway's first
+        handler = KvflowChatModelHandler(base_url=f"http://127.0.0.1:{port}/v1/")
         with beam.Pipeline("DirectRunner") as p:
             results = p | beam.Create(conversations) | RunInference(handler, inference_args={"max_tokens": 3})
             assert_that(results | beam.Map(lambda r: (r.inference.object, r.inference.usage.completion_tokens)),
@@ -121,3 +122,14 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.parametrize(("given", "root"), [
+    ("http://gw:8080", "http://gw:8080"), ("http://gw:8080/", "http://gw:8080"),
+    ("http://gw:8080/v1", "http://gw:8080"), ("http://gw:8080/v1/", "http://gw:8080"),
+    ("https://gw.example.com/kvflow/v1", "https://gw.example.com/kvflow"),
+], ids=["root", "root-slash", "v1", "v1-slash", "under-a-path"])
+def test_the_handler_takes_the_gateway_root_or_openais_v1_base_url(given: str, root: str) -> None:
+    from kvflow.beam.handlers import gateway_root
+
+    assert gateway_root(given) == root
