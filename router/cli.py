@@ -7,6 +7,12 @@
 It takes the Gateway API Inference Extension EPP's ports and flags (``--grpc-port``,
 ``--grpc-health-port``, ``--pool-name``, ``--pool-namespace``, ``--secure-serving``,
 ``--cert-path``, ``--config-file``), so a gateway or chart built for GIE's EPP can run it.
+
+On the HTTP port, ``/debug/*`` (other requests' ids and ``cache_salt``) and ``/tokenize`` (a
+CPU cost anyone could impose) are for readers only: with ``--reader-token-file`` they need
+``Authorization: Bearer <that token>`` (the metrics reader's credential, a mounted Secret);
+without it they answer loopback clients only (``kubectl port-forward``, a local stack).
+``/metrics`` and ``/healthz`` stay open to whoever the network lets in.
 """
 
 from __future__ import annotations
@@ -14,17 +20,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import logging
 import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvflow import openai_api
-from kvflow.errors import KvflowError
+from kvflow.errors import AuthenticationError, KvflowError
 from kvflow.router import status_api
 from kvflow.router.config import load_config, read_source
 from kvflow.router.dashboard import HEADERS, page_file
@@ -51,6 +60,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="plaintext gRPC health (service 'inference-extension', for kubelet probes; 0: off)")
     p.add_argument("--metrics-port", type=int, default=9090,
                    help="/metrics, /debug/decisions, /v1/kvflow/status and /dashboard (0: off)")
+    p.add_argument("--reader-token-file", type=Path, default=None,
+                   help="a bearer token that /debug/* and /tokenize ask for (default: loopback clients only)")
     p.add_argument("--secure-serving", action=argparse.BooleanOptionalAction, default=True,
                    help="TLS on the ext_proc port (default; --no-secure-serving is plaintext)")
     p.add_argument("--cert-path", type=Path, default=None,
@@ -111,7 +122,41 @@ def config_from_args(args: argparse.Namespace) -> tuple[dict[str, object], list[
     return raw, endpoints
 
 
-def metrics_app(router: Router) -> web.Application:
+READER_PATHS = ("/debug/", "/tokenize")
+"""What only readers may ask for (the module docstring says who a reader is)."""
+
+
+def reader_refusal(path: str, remote: str | None, authorization: str | None, token: str | None) -> KvflowError | None:
+    """Why a request for ``path`` is refused (401, 403), or None when it may be answered."""
+    if not path.startswith(READER_PATHS):
+        return None
+    if token is not None:
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+            return None
+        return AuthenticationError(f"{path} needs the reader's token: send 'Authorization: Bearer <token>'")
+    try:
+        local = remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
+    except ValueError:
+        local = False
+    return None if local else ReaderOnly(f"{path} answers loopback clients only (or start the router with"
+                                         " --reader-token-file)")
+
+
+class ReaderOnly(KvflowError):
+    status = 403
+    type = "PermissionDeniedError"
+
+
+def metrics_app(router: Router, reader_token: str | None = None) -> web.Application:
+    @web.middleware
+    async def readers_only(request: web.Request, handler: Any) -> web.StreamResponse:
+        refused = reader_refusal(request.path, request.remote, request.headers.get("Authorization"), reader_token)
+        if refused is not None:
+            return web.json_response(refused.body(), status=refused.status)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def metrics(_: web.Request) -> web.Response:
         router.refresh_gauges()
         return web.Response(
@@ -162,7 +207,7 @@ def metrics_app(router: Router) -> web.Application:
             return web.json_response(exc.body(), status=exc.status)
         return web.json_response(openai_api.tokenize_answer(router.tokenizer, tokens, router.max_prompt_tokens, req))
 
-    app = web.Application()
+    app = web.Application(middlewares=[readers_only])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/decisions", decisions)
     app.router.add_get("/debug/endpoints", endpoints)
@@ -175,6 +220,9 @@ def metrics_app(router: Router) -> web.Application:
 
 
 async def run(args: argparse.Namespace) -> int:
+    token = args.reader_token_file.read_text().strip() if args.reader_token_file else None
+    if token == "":
+        raise SystemExit(f"kvflow router: --reader-token-file {args.reader_token_file} is empty")
     raw, endpoints = config_from_args(args)
     config = load_config(raw)
     if not endpoints and not config.endpoints and config.kubernetes is None:
@@ -195,7 +243,7 @@ async def run(args: argparse.Namespace) -> int:
     health = await serve_health(args.host, args.grpc_health_port) if args.grpc_health_port else None
     runner = None
     if args.metrics_port:
-        runner = web.AppRunner(metrics_app(router), access_log=None)
+        runner = web.AppRunner(metrics_app(router, token), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.metrics_port).start()
     logging.getLogger("kvflow.router").info(
