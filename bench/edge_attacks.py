@@ -20,7 +20,9 @@ front of a real ``kvflow sim`` pod (child processes on 127.0.0.x), and prints on
   5``, round-robin) over two healthy pods and one that hangs, or one that serves another model:
   their statuses and how many waited out a timeout;
 * **clients that leave before the first token**: 9 streams on a slow pod, their clients gone;
-  how many the pod still generates for 5 s later.
+  how many the pod still generates for 5 s later;
+* **ext_proc body crowd**: 60 Envoy-like gRPC streams to ``kvflow router`` each sending 8 MiB of
+  body without its end: the router's RSS while they hold, and how many were refused.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 SLOW_WAIT = 15.0
@@ -193,6 +196,9 @@ async def _measure(args: argparse.Namespace, gw_port: int, gw_pid: int, key: str
     with_them, after = await _leavers(args.ports["slow"], args.slow_pod, 9)
     rows.append(("9 streams whose clients left before the first token",
                  f"the pod ran {with_them}; 5 s after they left: {after}"))
+    before, peak, refused = await _extproc_crowd(args.ports["extproc"], args.extproc_pid, 60, 8 << 20)
+    rows.append(("ext_proc: 60 streams x 8 MiB of body, never ended",
+                 f"router RSS {before:.0f} MB -> peak {peak:.0f} MB; {refused} refused"))
     return rows
 
 
@@ -243,6 +249,48 @@ async def _leavers(port: int, pod: str, n: int) -> tuple[int, int]:
     return before, await _running(pod)
 
 
+async def _extproc_crowd(port: int, pid: int, n: int, size: int) -> tuple[float, float, int]:
+    """``n`` ext_proc streams that each send ``size`` body bytes and never end: the router's RSS
+    before, at its peak while they hold, and how many it refused."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    hmap = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in
+                                       ((":path", b"/v1/completions"), (":method", b"POST"))])
+    first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hmap))
+    first.protocol_config.request_body_mode = first.protocol_config.response_body_mode = 4  # FULL_DUPLEX
+    piece = b"x" * 62_000
+    hold = asyncio.Event()
+
+    async def messages() -> Any:
+        yield first
+        for _ in range(size // len(piece)):
+            yield pb.ProcessingRequest(request_body=pb.HttpBody(body=piece, end_of_stream=False))
+        await hold.wait()
+
+    before = _rss_mb(pid)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        calls = [stub.Process(messages()) for _ in range(n)]
+        refused = 0
+        answers = [asyncio.ensure_future(call.read()) for call in calls]
+        deadline = time.monotonic() + 20
+        peak = before
+        while time.monotonic() < deadline:
+            peak = max(peak, _rss_mb(pid))
+            await asyncio.sleep(0.1)
+        refused = sum(1 for a in answers if a.done() and not a.cancelled() and a.exception() is None
+                      and a.result() is not grpc.aio.EOF and a.result().HasField("immediate_response"))
+        hold.set()
+        for call in calls:
+            call.cancel()
+        for a in answers:
+            a.cancel()
+    return before, peak, refused
+
+
 def _argv_in(view: str) -> Callable[..., list[str]]:
     def argv(*args: str) -> list[str]:
         return [sys.executable, "-c", _FROM_VIEW, *args]
@@ -290,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                                                    "--first-byte-timeout", "5"),
                         env={**env, "KVFLOW_BATCH_DIR": tmp}, ready_url=f"http://127.0.0.1:{port}/health")
         args.slow_pod = "{}:{}".format(*pods["slow"])
+        args.ports["extproc"] = free_port()
+        router = group.start("router", command("router", "--host", "127.0.0.1", "--port", str(args.ports["extproc"]),
+                                               "--endpoint", "{}:{}".format(*pods["good1"]), "--no-kv-events",
+                                               "--no-secure-serving"), env=env)
+        args.extproc_pid = router.popen.pid
         group.wait_ready(90)
         rows = asyncio.run(_measure(args, gw_port, gateway.popen.pid, key))
     width = max(len(name) for name, _ in rows)
