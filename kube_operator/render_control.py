@@ -236,9 +236,9 @@ def _bounds(svc: LLMService, role: PoolRole) -> tuple[int, int]:
 def _hpa(svc: LLMService, role: PoolRole) -> Obj:
     low, high = _bounds(svc, role)
     obj = new(svc, "autoscaling/v2", "HorizontalPodAutoscaler", names.child_name(svc, role), role)
+    api_version, kind = workload_kind(svc, role)
     obj["spec"] = {
-        "scaleTargetRef": {"apiVersion": workload_kind(svc, role)[0], "kind": workload_kind(svc, role)[1],
-                           "name": names.child_name(svc, role)},
+        "scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": names.child_name(svc, role)},
         "minReplicas": low, "maxReplicas": high,
         "metrics": [{"type": "Pods", "pods": {
             "metric": {"name": QUEUE_METRIC_ADAPTED},
