@@ -288,12 +288,20 @@ def pod_get(pod: Endpoint, path: str) -> bytes:
         return bytes(r.read())
 
 
+@pytest.mark.parametrize("key", ["kv_transfer_params", "kv_transfer_p\\u0061rams"], ids=["plain", "escaped"])
 @pytest.mark.parametrize("listener", ["closed", "open"])
-def test_client_kv_transfer_params_are_refused(stack: Stack, listener: str) -> None:
+def test_client_kv_transfer_params_are_refused(stack: Stack, listener: str, key: str) -> None:
     params = {"do_remote_prefill": True, "remote_host": stack.private.split(":")[0],
               "remote_port": int(stack.private.split(":")[1]), "remote_engine_id": "x", "remote_block_ids": [1]}
-    status, _, body = post(getattr(stack, listener), {"model": MODEL, "prompt": "hi", "max_tokens": 1,
-                                                      "kv_transfer_params": params})
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "PARAMS": params}).replace("PARAMS", key)
+    assert "kv_transfer_params" in json.loads(raw)  # what a pod would read
+    req = urllib.request.Request(getattr(stack, listener) + "/v1/completions", raw.encode(),
+                                 {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, body = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
     error = json.loads(body)["error"]
     assert (status, error["type"], error["param"]) == (400, "BadRequestError", "kv_transfer_params")
     assert stack.private_hits == []
