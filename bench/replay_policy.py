@@ -12,8 +12,9 @@ changed moves every later one), so a change to the policy is judged on the mean 
 
 ``--lag TO,FROM`` (ms) adds the way between the router and the pods (``oracle.Lag``): a request
 reaches its pod's engine TO ms after the pick, and the router hears of its first token and its
-end FROM ms after the engine. The live benchmark's path probe puts them at ~4 and ~5 ms; without
-them the router learns its pods' speed on a path with no latency, which no real one has.
+end FROM ms after the engine; ``bench/path_probe.py`` measures both on the live benchmark's
+pods (bench/RESULTS.md, "Every hop"). Without them the router learns its pods' speed on a path
+with no latency, which no real one has.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The JSON access log: one line per request, handed to the ``kvflow.gateway.access`` logger in
 batches.
 
-Per request the gateway only encodes its line (msgspec, ~10x ``json.dumps``) and appends it to
+Per request the gateway only encodes its line (msgspec, far cheaper than ``json.dumps``) and appends it to
 a buffer; the buffer goes to the logger as one record of several lines when it holds
 ``MAX_LINES`` or ``DELAY`` seconds after its first line, and when the gateway stops. A
 ``logging`` record and a write to stderr per request cost more than the rest of the gateway's

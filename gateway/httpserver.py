@@ -2,7 +2,7 @@
 
 Why not aiohttp, uvicorn or granian: measured per request, this server costs the least CPU and
 adds the least latency on the gateway's path, and passes the same attack suite
-(``bench/bench_gateway.py --http-layers``; docs/gateway.md has the figures). It parses with
+(``bench/bench_gateway.py --layers``; docs/gateway.md has the figures). It parses with
 httptools (llhttp, C), runs one task per connection, writes each answer with one
 ``transport.write`` and streams with chunked encoding. No TLS (the gateway sits behind a
 Service or Envoy), no multipart, no websockets, no upgrades.

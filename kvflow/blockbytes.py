@@ -118,7 +118,7 @@ def as_int64(token_ids: Sequence[int] | np.ndarray) -> np.ndarray | None:
             return token_ids.astype(np.int64)
         return None
     try:
-        # struct packs a list of ints ~2x faster than np.array or array.array convert it
+        # struct packs a list of ints faster than np.array or array.array convert it
         return np.frombuffer(struct.pack(f"{len(token_ids)}q", *token_ids), np.int64)
     except (struct.error, TypeError, OverflowError):
         return None

@@ -2,12 +2,13 @@
 of a millisecond: the fast path of the simulator's and the gateway's ``/metrics``.
 
 prometheus_client's ``generate_latest`` rebuilds every sample on each scrape (a tuple per
-sample, labels sorted and escaped, every number formatted): 3-17 ms for vLLM's 46 KB, on the
-event loop that also serves tokens. Here each series writes its sample-line prefixes once, when
-it is created, so a render formats only numbers, and a histogram whose count has not moved
-since the last render reuses its text. Updates are plain attribute arithmetic (no lock: each
-user updates its families from one thread, its event loop), which is what keeps observing cheap
-on the simulator's engine step and the gateway's request path.
+sample, labels sorted and escaped, every number formatted): milliseconds for vLLM's 46 KB, on
+the event loop that also serves tokens (``kvflow bench observe`` prints both renders' cost).
+Here each series writes its sample-line prefixes once, when it is created, so a render formats
+only numbers, and a histogram whose count has not moved since the last render reuses its text.
+Updates are plain attribute arithmetic (no lock: each user updates its families from one
+thread, its event loop), which is what keeps observing cheap on the simulator's engine step and
+the gateway's request path.
 
 The same families are a prometheus_client collector: ``Registry.collect()`` yields the public
 ``CounterMetricFamily``/``GaugeMetricFamily``/``HistogramMetricFamily``/``SummaryMetricFamily``
@@ -429,7 +430,7 @@ class Runtime:
     """The process and Python families on the fast path (a ``Renderable``).
 
     prometheus_client's collectors build every sample anew and read three /proc files a scrape
-    (~0.4 ms, most of a simulated pod's render); this reads ``/proc/self/stat`` and counts
+    (most of a simulated pod's render); this reads ``/proc/self/stat`` and counts
     ``/proc/self/fd``, the numbers prometheus_client reads there, and writes lines whose heads
     are fixed; ``python_info``, which never changes, is prometheus_client's own platform
     collector rendered once. ``collect()`` yields the same families as metric

@@ -35,7 +35,7 @@ _decoder = msgspec.json.Decoder()
 
 
 def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
-    """The body as a JSON object (msgspec: ~9x json.loads on this path), or a 400 saying why not."""
+    """The body as a JSON object (msgspec: several times cheaper than json.loads), or a 400 saying why not."""
     try:
         body = _decoder.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # invalid UTF-8 in a string: the latter
@@ -53,7 +53,7 @@ def too_deep(raw: bytes, value: Any, limit: int) -> bool:
     """Whether ``value`` (decoded from ``raw``) nests containers more than ``limit`` deep.
 
     Finding its few brackets settles the usual body at once (``bytes.find`` of one byte is
-    ``memchr``: ~4 µs over a 46 KB prompt, where ``bytes.count`` took ~40); only a body with more
+    ``memchr``, vectorised, where ``bytes.count`` is a plain loop over every byte); only a body with more
     brackets than the limit is walked, and then only through its containers."""
     if _brackets_at_most(raw, limit):
         return False

@@ -192,7 +192,7 @@ class BuiltinTokenizer:
     MAX_CHUNKS = 4096
     """Chunks whose ids are remembered (about 20 MB at most): prompts that share a prefix share
     its chunks, so a long system prompt seen before costs a dict lookup per chunk instead of one
-    per word (50 us instead of 0.5-1 ms for the routing benchmark's 5,000-7,000-word prompts)."""
+    per word (``bench/bench_tokenize.py`` measures it on the routing benchmark's prompts)."""
 
     def __init__(self, vocab_size: int = 32000) -> None:
         self.vocab_size = vocab_size
@@ -346,7 +346,7 @@ class HFTokenizer:
             found = [known.get(piece) for piece in pieces]
             for piece, hit in zip(pieces, found):
                 if hit is not None:
-                    known.move_to_end(piece)  # least recently used first (0.1 us against a chunk's ms)
+                    known.move_to_end(piece)  # least recently used first (cheap beside tokenizing a chunk)
         missing = list(dict.fromkeys(p for p, f in zip(pieces, found) if f is None))
         if missing:  # one call for all of them: the tokenizer's per-call cost is paid once
             fresh = {p: array("I", e.ids) for p, e in zip(missing, self._tok.encode_batch(missing, add_special_tokens=False))}

@@ -57,7 +57,8 @@ except ImportError:  # installed without a C compiler: numpy computes the same f
 MASK = (1 << 64) - 1
 _SMALL = 6
 """Prompts and events of at most this many blocks are fingerprinted in plain Python: numpy's
-fixed cost per call (~15 µs for the dozen array operations) outweighs a few blocks' work."""
+fixed cost per call (a dozen array operations, each with its own setup) outweighs a few blocks'
+work."""
 BlockKey = tuple[Any, ...] | None
 """The keys one block is fingerprinted with beyond its tokens: ``(lora_name, extra_keys)`` as
 a ``BlockStored`` event gives them, or None for a block with neither."""

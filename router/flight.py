@@ -39,9 +39,9 @@ SPEED_STEP = 3.0
 A first token far later than estimated is much more often a wrong estimate of the work (a prefix
 the request was to reuse computed again, requests preempted when the pod's KV cache overflowed,
 a queue longer than the router knew) than a pod that got ten times slower. Taken at face value,
-one such outlier marked the pod slow, the pod then got no requests, and no first token came to
-correct it: on a replay of the routing benchmark's (b) a pod sat idle so for five seconds and
-the mean TTFT rose by 45 %. A pod that really is slower still shows it, over a few requests."""
+one such outlier marks the pod slow, the pod then gets no requests, and no first token comes to
+correct it while the others take its share (bench/RESULTS.md, "The pool's speed"). A pod that
+really is slower still shows it, over a few requests."""
 
 Learn = Callable[[Endpoint, bool], None]
 """Called with (endpoint, prefill leg?) when a pod is sent the request, when its prefill there

@@ -131,11 +131,11 @@ def _remove(index: PrefixIndex, endpoint: EndpointId, hashes: list[int], specula
 
 
 SLICE_BLOCKS = 64
-"""Blocks the subscriber applies between two turns of the event loop (~0.2 ms of work).
+"""Blocks the subscriber applies between two turns of the event loop (a slice the loop can afford).
 
 A pod publishes the blocks a prefill stored in the same engine step as the request's first
 token, so the gateway reads the two together. Applied whole, a batch of a long prompt's
-hundreds of blocks held the event loop for 2-13 ms while that first token waited to be
+hundreds of blocks holds the event loop for milliseconds while that first token waits to be
 relayed; in slices, the first token is relayed after one slice at most. (A long event whose
 blocks cannot be fingerprinted is counted ``unchained`` once per slice.)"""
 

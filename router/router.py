@@ -294,7 +294,7 @@ class Router:
         learned: list[int] | None = None
         guesses: dict[tuple[EndpointId, bool], set[int]] = {}  # the legs' speculative guesses, until prefilled
         # the approximate index is read for pods that send KV events only by some profiles'
-        # plugins: a decision by others teaches it about the pods that send none (~0.5 ms a send)
+        # plugins: a decision by others teaches it only about the pods that send none (teaching is work on every send)
         routed = [self.profiles.get(n) for n in (result.profile, self.config.pd_prefill_profile) if n]
         teach_all = any(p is None or p.reads_routed for p in routed)
 
@@ -310,7 +310,7 @@ class Router:
                     if guess is not None:
                         guesses[endpoint.id, prefill] = guess
                 counter = self.datastore.counter(endpoint.id)
-                if counter is not None:  # ~0.1-0.2 ms for a long prompt: after the request is sent
+                if counter is not None:  # a long prompt's touch is real work: after the request is sent
                     self._later(self._touch, counter, hashes.array)
             if not prefill:
                 for hook in self._hooks:

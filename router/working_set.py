@@ -14,8 +14,8 @@ sample of any set of blocks, shared prefixes counted once however many requests 
 The sample is an ordered dict in touch order (oldest first), expired from the front when a
 request is sent to the pod and when the pod is scraped, beside a count of its samples by touch
 time (one entry per request sent in the window). A request sent costs a few dict operations per
-sampled block (32 blocks for an 8,192-token prompt at one in 16, 256 at one in 2: 0.1-0.2 ms,
-which a router on an event loop spends after the request is sent); a decision reads one number.
+sampled block (32 blocks for an 8,192-token prompt at one in 16, 256 at one in 2: work a router
+on an event loop does after the request is sent); a decision reads one number.
 
 The same sample, in touch order, gives a block's place in the pod's LRU order: ``surviving``
 cuts a prefix the KV events still report where a cacheful of other blocks was sent after it,

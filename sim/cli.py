@@ -215,7 +215,7 @@ async def serve(args: argparse.Namespace) -> None:
     # a short shutdown grace: a stalled stream (fault injection) must not hold up SIGTERM
     site = web.TCPSite(runner, args.host, args.port, backlog=1024, shutdown_timeout=1.0)
     await site.start()
-    settle_heap()  # a full collection of the startup heap would stall the engine's timeline (~80 ms)
+    settle_heap()  # a full collection of the startup heap would outlast the engine's lag tolerance
     log.warning("kvflow sim serving %s on http://%s:%d (profile %s)", ",".join(state.served_names),
                 args.host, args.port, args.profile)
     stop = asyncio.Event()

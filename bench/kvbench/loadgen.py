@@ -86,8 +86,8 @@ async def run(url: str | Sequence[str], trace: Trace, *, model: str, timeout: fl
     if len(urls) != len(trace.requests):
         raise ValueError(f"{len(urls)} URLs for {len(trace.requests)} requests")
     # The benchmark's process holds every trace, replay and result it computed before: a full
-    # collection over them in the middle of a run stalled this loop for 160-170 ms (docs/routing-log.md,
-    # "The load generator's collector"). Collected and frozen first, they are not scanned again
+    # collection over them in the middle of a run stalls this loop, late sends and first tokens with it
+    # (bench/RESULTS.md, "The load generator's collector"). Collected and frozen first, they are not scanned again
     # until the run ends; the run's own objects are collected as usual.
     gc.collect()
     gc.freeze()

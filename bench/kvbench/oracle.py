@@ -218,8 +218,8 @@ def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = Fal
 class Lag:
     """The way between the router and the pods, which the replay otherwise leaves out: a request
     reaches its pod's engine ``to_pod`` seconds after the router picks it, and the router hears
-    of each first token and finish ``from_pod`` seconds after the engine produced it. Live, on
-    the routing benchmark's simulated pods, that is ~4 and ~5 ms (the path probe's hops)."""
+    of each first token and finish ``from_pod`` seconds after the engine produced it; on the
+    routing benchmark's live pods ``bench/path_probe.py`` measures both."""
 
     to_pod: float = 0.0
     from_pod: float = 0.0

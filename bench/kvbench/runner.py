@@ -173,7 +173,7 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
             continue
         # Fresh pods for every router, warmed alike: pods that served an earlier router's runs
         # have tokenized its prompts before (the simulator's tokenizer remembers words and text
-        # chunks), which took 2-3 ms off the path of whichever router ran second. kvflow's
+        # chunks), which shortens the path of whichever router runs second. kvflow's
         # gateway, or its router behind Envoy, runs the same tokenizer: warmed so once it is up.
         log_dir = opts.log_dir / workload.name / spec.name.replace(" ", "-").replace(":", "-")
         with ProcessGroup(log_dir) as group:

@@ -1,4 +1,4 @@
-"""Timestamps along the live path, for ``bench/path_probe.py`` (docs/routing-log.md, "Every hop").
+"""Timestamps along the live path, for ``bench/path_probe.py`` (bench/RESULTS.md, "Every hop").
 
 Put this folder first on ``PYTHONPATH`` and name an output folder in ``KVFLOW_PATH_PROBE``;
 every ``kvflow gateway`` and ``kvflow sim`` process started so (a benchmark passes its

@@ -35,7 +35,7 @@ token of work its pods were observed at (``Flight``: time to first token over th
 ahead). The pods of a pool serve one model on like hardware; what tells them apart is their load,
 which the work above models. One speed per pod mostly learned that model's errors instead: in a
 burst a pod whose requests waited longer than its queue said looked two or three times slower,
-was left alone, and got no first token to correct it (docs/routing-log.md, "The pool's speed"). With
+was left alone, and got no first token to correct it (bench/RESULTS.md, "The pool's speed"). With
 no observation yet, every pod counts the same. The score is ``best / estimate``: 1 for the
 soonest pod, half for a pod twice as slow.
 
@@ -71,10 +71,10 @@ class TtftParams(NoParams):
     """Extra cost per token of a prefix computed again where another pod already holds it: the
     capacity the copy takes from everyone else (its own wait is already in the estimate). On the
     routing benchmark's replay 0.5 did a little better at round-robin's saturation rate and far
-    worse past it (docs/routing-log.md), so 1 stays."""
+    worse past it (bench/RESULTS.md), so 1 stays."""
     evict_weight: float = Field(default=0.5, alias="evictWeight", ge=0)
     """Cost per token of in-use cache a placement evicts: the share of it computed again later
-    (0.5, measured on the routing benchmark's replay over five seeds; 1 and 0.25 did worse)."""
+    (0.5: the best of 0.25, 0.5 and 1 on the routing benchmark's replay, ``bench/replay_policy.py``)."""
     reload_work: float = Field(default=0.066, alias="reloadWork", ge=0, le=1)
     """Work per prompt token loaded back from a pod's CPU offload tier, in tokens of prefill
     work: prefill's rate over the PCIe reload's. 0.066 is Llama-3.1-8B on an H100 (25k tokens/s
