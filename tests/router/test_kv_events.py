@@ -530,6 +530,7 @@ async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monke
     finally:
         await sub.close()
         pub.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 async def test_every_data_parallel_rank_is_subscribed() -> None:
