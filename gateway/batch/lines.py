@@ -52,10 +52,15 @@ class InputLine:
 
 def raw_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, line) for every non-blank line; ``\\r\\n`` endings are accepted."""
-    for number, line in enumerate(data.split(b"\n"), 1):
-        line = line.strip()
+    start, number = 0, 0
+    while start <= len(data):  # one line at a time: a file of millions of lines is never split whole
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end
+        number += 1
+        line = data[start:end].strip()
         if line:
             yield number, line
+        start = end + 1
 
 
 def parse_line(index: int, line_no: int, raw: bytes, endpoint: str) -> InputLine:
