@@ -91,7 +91,8 @@ class Client:
         headers = {"Content-Type": content_type} if body is not None else {}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url.rstrip("/") + path, body, headers, method=method)
+        root = self.url.rstrip("/").removesuffix("/v1")  # the gateway's root, or OpenAI's spelling of it
+        request = urllib.request.Request(root + path, body, headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 return bytes(response.read())

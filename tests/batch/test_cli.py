@@ -71,7 +71,7 @@ def test_submit_wait_status_and_results(gateway: str, tmp_path: Path) -> None:
     assert "[########################] 31/31 done 30 failed 1" in submitted.stdout  # the progress line, at the end
     assert submitted.stdout.splitlines()[-1].startswith(f"{batch_id} completed: 30 completed, 1 failed of 31")
 
-    status = kvflow_batch(gateway, "status", batch_id, "--json")
+    status = kvflow_batch(gateway + "/v1/", "status", batch_id, "--json")  # OpenAI's spelling of the URL too
     assert json.loads(status.stdout)["metadata"] == {"team": "a"}
 
     out = tmp_path / "out.jsonl"
