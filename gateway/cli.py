@@ -20,10 +20,11 @@ from pydantic import ValidationError
 
 from kvflow.gateway.config import GatewayConfig, load_file
 from kvflow.gateway.discovery import discover
+from kvflow.cliargs import Parser
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow gateway", description="The OpenAI-compatible kvflow gateway.")
+def parser() -> Parser:
+    p = Parser(prog="kvflow gateway", description="The OpenAI-compatible kvflow gateway.")
     p.add_argument("--config", help="YAML/JSON gateway config (pools for many models)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")

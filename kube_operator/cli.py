@@ -15,10 +15,11 @@ from collections.abc import Sequence
 
 from kvflow.operator import names
 from kvflow.operator.spec import InvalidSpecError
+from kvflow.cliargs import Parser
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow operator", description="The kvflow Kubernetes operator.")
+def _parser() -> Parser:
+    parser = Parser(prog="kvflow operator", description="The kvflow Kubernetes operator.")
     sub = parser.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render", allow_abbrev=False, help="print, as YAML, every child object of the LLMService(s) in FILE")
     render.add_argument("file", help="a YAML file with LLMService documents ('-' for stdin)")

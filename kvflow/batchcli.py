@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+from kvflow.cliargs import Parser
 
 DONE = ("completed", "failed", "expired", "cancelled")
 
@@ -191,8 +192,8 @@ def cancel(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow batch", description="Run JSONL request files on a kvflow gateway.")
+def parser() -> Parser:
+    p = Parser(prog="kvflow batch", description="Run JSONL request files on a kvflow gateway.")
     p.add_argument("--url", default=os.environ.get("KVFLOW_URL", "http://127.0.0.1:8080"), help="the gateway")
     p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"), help="an API key the gateway accepts")
     sub = p.add_subparsers(dest="command", required=True)

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any, TextIO
+from kvflow.cliargs import Parser
 
 STATUS_PATH = "/v1/kvflow/status"
 
@@ -133,8 +134,8 @@ def show(args: argparse.Namespace, out: TextIO) -> int:
         time.sleep(args.interval)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow status", description="Pods, routing decisions and batches, as tables.")
+def parser() -> Parser:
+    p = Parser(prog="kvflow status", description="Pods, routing decisions and batches, as tables.")
     p.add_argument("--url", default=os.environ.get("KVFLOW_URL", "http://127.0.0.1:8080"),
                    help="the gateway, or a router's metrics port (default $KVFLOW_URL or http://127.0.0.1:8080)")
     p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"), help="an admin API key ($KVFLOW_API_KEY)")

@@ -9,7 +9,6 @@ tokenizer (a few hundred kB), and needs it before it starts. Plain HTTPS GETs of
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import urllib.error
@@ -17,6 +16,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from kvflow.cliargs import Parser
 
 REQUIRED = ("tokenizer.json",)
 OPTIONAL = ("tokenizer_config.json", "special_tokens_map.json")
@@ -61,7 +61,7 @@ def fetch(repo: str, out: Path, *, revision: str = "main", endpoint: str | None 
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow tokenizer", description=__doc__.splitlines()[0])
+    parser = Parser(prog="kvflow tokenizer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     get = sub.add_parser("fetch", allow_abbrev=False, help="download a hub model's tokenizer files into DIR")
     get.add_argument("source", help="hf://ORG/NAME")

@@ -44,10 +44,11 @@ from kvflow.routing_headers import check_allowable
 from kvflow.router.router import Router
 from kvflow.router.tokenizer_policy import choose_tokenizer
 from kvflow.endpoints import Endpoint, Role, parse_host_port
+from kvflow.cliargs import Parser
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow router", description="Envoy ext_proc endpoint picker for vLLM pools")
+    p = Parser(prog="kvflow router", description="Envoy ext_proc endpoint picker for vLLM pools")
     p.add_argument("--config", "--config-file", dest="config", help="router config (YAML or JSON)")
     p.add_argument("--endpoint", action="append", default=[], metavar="HOST:PORT", help="a pod serving both roles")
     p.add_argument("--prefill-endpoint", action="append", default=[], metavar="HOST:PORT", help="a prefill pod")

