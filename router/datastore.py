@@ -4,7 +4,8 @@ Writers are the async collectors (metrics scraper, Kubernetes watch) and the rou
 accounting (requests started/finished, endpoints the gateway saw fail). All run on one event
 loop, so plain attributes suffice. A pod's view is rebuilt only when what was scraped about it
 changed (metrics, health), and the snapshot tuple only when a view did; requests starting and
-finishing just bump the pod's ``LoadCounter``, which its view reads live.
+finishing just bump the pod's ``LoadCounter``, which its view reads live. Every pod's load numbers
+are rows of the datastore's ``LoadBoard`` (``loads``), which scheduling cycles read as columns.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvflow.router.load import LoadBoard
 from kvflow.router.model import DEFAULT_PREFILL_RATE, EndpointView, EngineMetrics, LoadCounter
 from kvflow.router.working_set import DEFAULT_WINDOW, WorkingSet
 from kvflow.endpoints import Endpoint, EndpointId, Role
@@ -59,6 +61,8 @@ class Datastore:
         """A new pod's prefill rate (tokens/s) until the router observes its own."""
         self.block_size = block_size
         self.working_set_window = working_set_window
+        self.loads = LoadBoard()
+        """Every pod's load numbers, a row each (their ``LoadCounter`` writes them)."""
         self._states: dict[EndpointId, _State] = {}
         self._snapshot: tuple[EndpointView, ...] | None = None
         self._by_role: tuple[list[EndpointView], list[EndpointView]] | None = None
@@ -82,12 +86,13 @@ class Datastore:
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         wanted = {ep.id: ep for ep in endpoints}
         for eid in [eid for eid in self._states if eid not in wanted]:
-            gone = self._states.pop(eid).endpoint
-            self._notify(gone, False)
+            gone = self._states.pop(eid)
+            self.loads.detach(gone.counter)  # requests still in flight there count on its own
+            self._notify(gone.endpoint, False)
         for eid, ep in wanted.items():
             state = self._states.get(eid)
             if state is None:
-                counter = LoadCounter(default_rate=self.prefill_rate,
+                counter = LoadCounter(board=self.loads, default_rate=self.prefill_rate,
                                       working_set=WorkingSet(self.block_size, self.working_set_window))
                 self._states[eid] = _State(ep, EngineMetrics(), counter=counter)
                 self._notify(ep, True)

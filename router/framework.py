@@ -26,7 +26,7 @@ import numpy as np
 
 from kvflow.errors import NoCapacityError
 from kvflow.router.fingerprint import PromptFingerprints
-from kvflow.router.load import Loads
+from kvflow.router.load import CandidateLoads, LoadBoard, Loads
 from kvflow.router.model import EndpointView, SchedulingRequest, SchedulingResult
 from kvflow.endpoints import EndpointId
 
@@ -43,6 +43,9 @@ class Cycle:
     block_size: int
     now: float = 0.0
     """The router's clock when the cycle began (load estimates drain with time)."""
+    board: LoadBoard | None = None
+    """The pods' load numbers (the datastore's ``LoadBoard``); None: the candidates' counters
+    are read one by one (views made outside a datastore)."""
     data: dict[str, Any] = field(default_factory=dict)
     """Scratch space plugins share, e.g. prefix matches (``prefix:<kind>``) for the P/D decider."""
     _rng: random.Random | None = None
@@ -68,17 +71,25 @@ class Cycle:
     def prompt_tokens(self) -> int:
         return len(self.request.token_ids)
 
-    def loads(self, endpoints: Sequence[EndpointView]) -> Loads:
-        """The load counters of ``endpoints``, column by column: gathered once for the plugins
-        that read the same candidates (a filter that narrows them passes its ``Loads`` on with
-        ``set_loads``)."""
-        found: Loads | None = self.data.get("loads")
+    def loads(self, endpoints: Sequence[EndpointView]) -> CandidateLoads:
+        """The load numbers of ``endpoints``, column by column (``board.columns``): gathered once
+        for the plugins that read the same candidates (a filter that narrows them passes its
+        ``CandidateLoads`` on with ``set_loads``)."""
+        found: CandidateLoads | None = self.data.get("loads")
         if found is None or found.endpoints is not endpoints:
-            found = self.data["loads"] = Loads(endpoints)
+            found = self.data["loads"] = (self.board or LoadBoard(1)).columns(endpoints)
         return found
 
-    def set_loads(self, loads: Loads) -> None:
+    def set_loads(self, loads: CandidateLoads) -> None:
         self.data["loads"] = loads
+
+    def numbers(self, endpoints: Sequence[EndpointView]) -> list[Loads[float]]:
+        """Each of a few candidates' load numbers, in their order (``LoadCounter.numbers``),
+        read once for the plugins that read the same candidates."""
+        found: tuple[Sequence[EndpointView], list[Loads[float]]] | None = self.data.get("numbers")
+        if found is None or found[0] is not endpoints:
+            found = self.data["numbers"] = (endpoints, [ep.counter.numbers() for ep in endpoints])
+        return found[1]
 
 
 class Filter(Protocol):

@@ -404,7 +404,7 @@ class Router:
         fingerprints = self._prepared.pop(request.request_id, None)
         if fingerprints is None or fingerprints.token_ids is not request.token_ids:
             fingerprints = self.fingerprints(request)
-        return Cycle(request, fingerprints, seed, self.config.block_size, self._clock())
+        return Cycle(request, fingerprints, seed, self.config.block_size, self._clock(), board=self.datastore.loads)
 
     def _on_metrics(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         if metrics.num_blocks:

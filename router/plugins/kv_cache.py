@@ -20,13 +20,12 @@ class KvCacheScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Scores:
-        if len(endpoints) >= VECTOR_MIN:  # every pod at once, from the counters' columns
-            loads = cycle.loads(endpoints)
+        if len(endpoints) >= VECTOR_MIN:  # every pod at once, from the load numbers' columns
+            loads = cycle.loads(endpoints).columns
             free = 1.0 - loads.kv_base - loads.tokens * loads.kv_per_token
             return Scores(endpoints, np.minimum(np.maximum(free, 0.0), 1.0))
         out = []
-        for ep in endpoints:  # ``EndpointView.kv_usage`` inlined
-            c = ep.counter
+        for c in cycle.numbers(endpoints):  # ``EndpointView.kv_usage`` inlined
             free = 1.0 - c.kv_base - c.tokens * c.kv_per_token
             out.append(0.0 if free < 0.0 else 1.0 if free > 1.0 else free)
         return Scores(endpoints, out)

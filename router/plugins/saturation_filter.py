@@ -35,20 +35,21 @@ class SaturationFilter:
         return ep.queue > self.p.queue_limit or ep.kv_usage >= self.p.kv_limit
 
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        # ``saturated`` inlined, with queue and KV use from the live counters: for a few pods one
-        # by one, for many from the counters' columns at once
+        # ``saturated`` inlined, with queue and KV use from the pods' load numbers: for a few pods
+        # one by one, for many from their columns at once
         queue_limit, kv_limit = self.p.queue_limit, self.p.kv_limit
         if len(endpoints) < VECTOR_MIN:
-            kept = [ep for ep in endpoints if (c := ep.counter).prefilling + c.foreign_waiting <= queue_limit
-                    and c.kv_base + c.tokens * c.kv_per_token < kv_limit]
+            kept = [ep for ep, c in zip(endpoints, cycle.numbers(endpoints))
+                    if c.prefilling + c.foreign_waiting <= queue_limit and c.kv_base + c.tokens * c.kv_per_token < kv_limit]
         else:
-            loads = cycle.loads(endpoints)
+            candidates = cycle.loads(endpoints)
+            loads = candidates.columns
             keep = ((loads.prefilling + loads.foreign_waiting <= queue_limit)
                     & (loads.kv_base + loads.tokens * loads.kv_per_token < kv_limit))
             if keep.all():
                 return endpoints
             kept = [ep for ep, k in zip(endpoints, keep.tolist()) if k]
-            cycle.set_loads(loads.subset(keep, kept))
+            cycle.set_loads(candidates.subset(keep, kept))
         if endpoints and not kept:
             raise RateLimitError("every endpoint is saturated; retry later", retry_after=self.p.retry_after)
         return endpoints if len(kept) == len(endpoints) else kept

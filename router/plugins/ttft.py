@@ -47,19 +47,20 @@ where it is cached, since a short queue there costs less than recomputing it.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic
 
 import numpy as np
 from pydantic import Field
 
 from kvflow.router.framework import Cycle, Scores
-from kvflow.router.load import VECTOR_MIN
+from kvflow.router.load import VECTOR_MIN, Loads, N
 from kvflow.router.model import EndpointView
 from kvflow.router.per_list import PerList
 from kvflow.router.plugins.prefix_cache import offloaded_matches, precise_matches
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
+from kvflow.endpoints import EndpointId
 
 
 class TtftParams(NoParams):
@@ -94,8 +95,16 @@ def pool_speed(seconds_per_token: Sequence[float] | np.ndarray) -> float:
     return statistics.median(observed) if observed else 0.0
 
 
-_PLAIN = SimpleNamespace(maximum=max, minimum=min)
-"""What ``_estimate`` calls on one pod's numbers (numpy's functions on a column of them)."""
+@dataclass(frozen=True, slots=True)
+class _Ops(Generic[N]):
+    """The two operations ``_estimate`` needs beyond arithmetic, on its kind of numbers."""
+
+    maximum: Callable[[N, N | float], N]
+    minimum: Callable[[N, N | float], N]
+
+
+_ONE_POD: _Ops[float] = _Ops(max, min)
+_EVERY_POD: _Ops[np.ndarray] = _Ops(np.maximum, np.minimum)
 
 
 @register("ttft-scorer", "scorer")
@@ -117,49 +126,67 @@ class TtftScorer:
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> list[float] | np.ndarray:
         """Each pod's estimated time to first token for this request (seconds, or tokens of work),
-        in the order of ``endpoints``: ``_estimate`` pod by pod for a few pods, and once on whole
-        columns (``Loads``, numpy) for ``VECTOR_MIN`` or more, where a thousand pods cost about
+        in the order of ``endpoints``: ``_estimate`` on each pod's numbers for a few pods, and once
+        on whole columns (numpy) for ``VECTOR_MIN`` or more, where a thousand pods cost about
         what a few do."""
-        loads = cycle.loads(endpoints) if len(endpoints) >= VECTOR_MIN else None
-        spt = pool_speed(loads.seconds_per_token if loads is not None
-                         else [ep.counter.seconds_per_token for ep in endpoints])
-        rate = 1.0 / spt if spt > 0.0 else endpoints[0].counter.default_rate if endpoints else 0.0
-        scale = spt if spt > 0.0 else 1.0  # seconds per token of work; in tokens until one is observed
-        bs, prompt = cycle.block_size, cycle.prompt_tokens
-        matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
-        offloaded = offloaded_matches(cycle, self.ctx, endpoints, matches)
-        cached: list[int] | np.ndarray  # prompt tokens each pod holds on its GPU
-        reloaded: list[int] | np.ndarray  # and on its CPU tier, right after
-        if loads is None:
-            cached = [matches.get(ep.id, 0) * bs for ep in endpoints]
-            reloaded = [offloaded.get(ep.id, 0) * bs for ep in endpoints]
-            best_cached: float = max(map(sum, zip(cached, reloaded)), default=0)
-        else:
-            cached, reloaded = np.zeros(len(loads)), np.zeros(len(loads))
-            position = self._positions(endpoints)
-            for column, found in ((cached, matches), (reloaded, offloaded)):
-                for eid, blocks in found.items():
-                    i = position.get(eid)
-                    if i is not None:  # matches may name pods that are not candidates
-                        column[i] = blocks * bs
-            best_cached = (cached + reloaded).max(initial=0.0)
-        # other routers' waiting requests (several router replicas) count at this router's mean work
-        mean_work = 0.0
-        foreign = loads.foreign_waiting.any() if loads is not None else any(ep.counter.foreign_waiting for ep in endpoints)
-        if foreign:
-            sent = sum(ep.counter.sent_requests for ep in endpoints)
-            mean_work = sum(ep.counter.sent_work for ep in endpoints) / sent if sent else float(prompt)
-        terms = (cycle.now, rate, prompt, best_cached, mean_work, scale)
-        if loads is None:
-            return [self._estimate(_PLAIN, ep.counter, n, r, *terms)
-                    for ep, n, r in zip(endpoints, cached, reloaded)]
-        return self._estimate(np, loads, cached, reloaded, *terms)  # type: ignore[no-any-return]
+        if len(endpoints) >= VECTOR_MIN:
+            return self._every_pod(cycle, endpoints, cycle.loads(endpoints).columns)
+        return self._one_by_one(cycle, endpoints, cycle.numbers(endpoints))
 
-    def _estimate(self, m: Any, c: Any, cached: Any, reloaded: Any, now: float, rate: float, prompt: int,
-                  best_cached: float, mean_work: float, scale: float) -> Any:
-        """The estimate of the module's docstring for a pod (``c``: its ``LoadCounter``; ``m``:
-        ``_PLAIN``), or for every pod at once (``c``: their ``Loads``; ``m``: numpy).
-        ``best_cached``: the most prompt tokens any pod holds, GPU and CPU tier together."""
+    def _one_by_one(self, cycle: Cycle, endpoints: Sequence[EndpointView], loads: list[Loads[float]]) -> list[float]:
+        spt = pool_speed([c.seconds_per_token for c in loads])
+        matches, offloaded = self._matches(cycle, endpoints)
+        bs = cycle.block_size
+        cached = [matches.get(ep.id, 0) * bs for ep in endpoints]  # prompt tokens each pod holds on its GPU
+        reloaded = [offloaded.get(ep.id, 0) * bs for ep in endpoints]  # and on its CPU tier, right after
+        best_cached: float = max(map(sum, zip(cached, reloaded)), default=0)
+        mean_work = 0.0
+        if any(c.foreign_waiting > 0 for c in loads):
+            mean_work = self._mean_work(sum(c.sent_work for c in loads), sum(c.sent_requests for c in loads), cycle)
+        terms = self._terms(cycle, loads[0].default_rate if loads else 0.0, spt, best_cached, mean_work)
+        return [self._estimate(_ONE_POD, c, n, r, *terms) for c, n, r in zip(loads, cached, reloaded)]
+
+    def _every_pod(self, cycle: Cycle, endpoints: Sequence[EndpointView], loads: Loads[np.ndarray]) -> np.ndarray:
+        spt = pool_speed(loads.seconds_per_token)
+        matches, offloaded = self._matches(cycle, endpoints)
+        bs = cycle.block_size
+        cached, reloaded = np.zeros(len(endpoints)), np.zeros(len(endpoints))
+        position = self._positions(endpoints)
+        for column, found in ((cached, matches), (reloaded, offloaded)):
+            for eid, blocks in found.items():
+                i = position.get(eid)
+                if i is not None:  # matches may name pods that are not candidates
+                    column[i] = blocks * bs
+        best_cached = float((cached + reloaded).max(initial=0.0))
+        mean_work = 0.0
+        if loads.foreign_waiting.any():
+            mean_work = self._mean_work(float(loads.sent_work.sum()), float(loads.sent_requests.sum()), cycle)
+        terms = self._terms(cycle, float(loads.default_rate[0]), spt, best_cached, mean_work)
+        return self._estimate(_EVERY_POD, loads, cached, reloaded, *terms)
+
+    def _matches(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> tuple[dict[EndpointId, int], dict[EndpointId, int]]:
+        """Blocks of the prompt each pod holds on its GPU, and right after on its CPU tier."""
+        matches = precise_matches(cycle, self.ctx, endpoints) if cycle.hashes.num_blocks else {}
+        return matches, offloaded_matches(cycle, self.ctx, endpoints, matches)
+
+    @staticmethod
+    def _mean_work(sent_work: float, sent_requests: float, cycle: Cycle) -> float:
+        """What other routers' waiting requests (several router replicas) each count: this
+        router's mean work."""
+        return sent_work / sent_requests if sent_requests else float(cycle.prompt_tokens)
+
+    @staticmethod
+    def _terms(cycle: Cycle, default_rate: float, spt: float, best_cached: float,
+               mean_work: float) -> tuple[float, float, int, float, float, float]:
+        rate = 1.0 / spt if spt > 0.0 else default_rate
+        scale = spt if spt > 0.0 else 1.0  # seconds per token of work; in tokens until one is observed
+        return cycle.now, rate, cycle.prompt_tokens, best_cached, mean_work, scale
+
+    def _estimate(self, m: _Ops[N], c: Loads[N], cached: N, reloaded: N, now: float, rate: float, prompt: int,
+                  best_cached: float, mean_work: float, scale: float) -> N:
+        """The estimate of the module's docstring for a pod (``c``: its numbers, floats), or for
+        every pod at once (``c``: their columns). ``best_cached``: the most prompt tokens any pod
+        holds, GPU and CPU tier together."""
         # what is left of the queue: FIFO work draining since, cut short by first tokens
         drained = c.backlog - (now - c.backlog_at) * rate
         queued = m.maximum(m.minimum(drained, c.sent_work - c.done_work), 0.0)  # 0 with none queued
@@ -169,7 +196,8 @@ class TtftScorer:
         over = m.maximum(stored - c.room, 0.0)  # the in-use tokens its new ones push out
         copy = self.copy_weight * (best_cached - cached - reloaded) + self.evict_weight * m.minimum(over, stored)
         decoding = c.in_flight - c.prefilling + c.foreign_running
-        return (work + copy + (1 + work // self.batch_tokens) * (self.step_tokens + decoding * self.decode_tokens)) * scale
+        estimate: N = (work + copy + (1 + work // self.batch_tokens) * (self.step_tokens + decoding * self.decode_tokens)) * scale
+        return estimate
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Scores:
         estimates = self.estimates(cycle, endpoints)

@@ -1,11 +1,9 @@
-"""Load counters kept column by column: each counter reads its own row, a cycle reads every
-candidate's at once, and the TTFT estimate computed on whole columns is the documented formula
-for every pod."""
+"""Per-pod load numbers: a row each on the datastore's ``LoadBoard``, written through the pod's
+``LoadCounter``, read by a cycle as columns for many pods or row by row for a few, and the TTFT
+estimate computed either way is the documented formula for every pod."""
 
 from __future__ import annotations
 
-import copy
-import gc
 import math
 import random
 
@@ -13,8 +11,9 @@ import numpy as np
 import pytest
 
 from kvflow.endpoints import Endpoint
+from kvflow.router.datastore import Datastore
 from kvflow.router.framework import Cycle
-from kvflow.router.load import FIELDS, TABLE, VECTOR_MIN, LoadCounter, Loads, LoadTable
+from kvflow.router.load import FIELDS, VECTOR_MIN, LoadBoard, LoadCounter
 from kvflow.router.model import EndpointView, EngineMetrics, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
@@ -32,69 +31,85 @@ def test_a_counter_starts_at_the_defaults_and_reads_back_what_it_was_given() -> 
     counter.backlog = 12.5
     assert counter.in_flight == 5 and type(counter.in_flight) is int  # integer fields read as ints
     assert counter.backlog == 12.5
-
-
-def test_a_collected_counter_gives_its_row_back_and_a_row_handed_out_starts_from_the_defaults() -> None:
-    counter = LoadCounter(7, backlog=3.0)
-    row = counter.row
-    del counter
-    gc.collect()
-    assert row in TABLE._free
-    table = LoadTable([0.0, 5.0], size=2)
-    first = table.allocate()
-    table.matrix[:, first] = [1.0, 2.0]
-    table.release(first)
-    assert table.allocate() == first and table.matrix[:, first].tolist() == [0.0, 5.0]
-
-
-def test_the_table_grows_and_keeps_every_counters_numbers() -> None:
-    counters = [LoadCounter(i, backlog=i / 2) for i in range(3 * TABLE.size)]
-    assert [c.in_flight for c in counters] == list(range(len(counters)))
-    assert [c.backlog for c in counters] == [i / 2 for i in range(len(counters))]
-    assert len({c.row for c in counters}) == len(counters)
-
-
-def test_a_counter_is_not_copied_into_a_second_owner_of_its_row() -> None:
-    with pytest.raises(TypeError, match="cannot be copied"):
-        copy.copy(LoadCounter())
+    assert counter.numbers().in_flight == 5.0 and counter.numbers().backlog == 12.5
 
 
 def test_unknown_fields_are_refused() -> None:
     with pytest.raises(TypeError, match="in_flihgt"):
-        LoadCounter(in_flihgt=1)  # type: ignore[call-arg]
+        LoadCounter(in_flihgt=1)
 
 
-def test_loads_are_the_candidates_counters_in_their_order_and_a_subset_keeps_the_kept() -> None:
-    counters = [LoadCounter(i, tokens=10 * i, kv_base=0.1, kv_per_token=0.01) for i in range(5)]
+def test_each_counter_writes_its_own_row_of_the_board_it_was_given_and_the_board_grows() -> None:
+    board = LoadBoard(2)
+    counters = [LoadCounter(i, board=board, backlog=i / 2) for i in range(5)]
+    assert board.size == 8  # doubled twice
+    assert len({c.base for c in counters}) == 5 and all(c.board is board for c in counters)
+    assert [c.in_flight for c in counters] == list(range(5))
+    assert [c.backlog for c in counters] == [i / 2 for i in range(5)]
+    counters[1].tokens = 7
+    assert [c.tokens for c in counters] == [0, 7, 0, 0, 0]
+
+
+def test_a_snapshot_of_a_counters_numbers_does_not_move_with_it() -> None:
+    counter = LoadCounter(1)
+    before = counter.numbers()
+    counter.in_flight += 1
+    assert before.in_flight == 1.0 and counter.numbers().in_flight == 2.0
+
+
+def test_the_datastore_owns_its_pods_rows_and_a_pod_that_leaves_takes_its_numbers_along() -> None:
+    a, b = Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)
+    store = Datastore([a, b])
+    left = store.counter(a.id)
+    assert left is not None and left.board is store.loads
+    left.in_flight += 2  # requests in flight there
+    row = left.base
+    store.set_endpoints([b])
+    assert left.board is not store.loads and left.in_flight == 2  # still counting, on a board of its own
+    left.in_flight -= 1  # one of them ends after the pod left
+    store.set_endpoints([b, Endpoint("10.0.0.3", 8000)])
+    newcomer = store.counter(EndpointView(Endpoint("10.0.0.3", 8000)).id)
+    assert newcomer is not None and newcomer.board is store.loads and newcomer.base == row  # its row
+    assert newcomer.numbers() == LoadCounter().numbers()  # a row reused starts from the defaults
+    left.in_flight -= 1
+    assert left.in_flight == 0 and newcomer.in_flight == 0
+
+
+def test_columns_are_the_candidates_numbers_in_their_order_and_a_subset_keeps_the_kept() -> None:
+    board = LoadBoard()
+    counters = [LoadCounter(i, board=board, tokens=10 * i, kv_base=0.1, kv_per_token=0.01) for i in range(5)]
     candidates = views(counters)[::-1]
-    loads = Loads(candidates)
+    loads = board.columns(candidates)
     for name in FIELDS:
-        assert getattr(loads, name).tolist() == [getattr(ep.counter, name) for ep in candidates]
-    counters[3].backlog = 9.5  # every write reaches the table
+        assert getattr(loads.columns, name).tolist() == [getattr(ep.counter, name) for ep in candidates]
+    counters[3].backlog = 9.5  # columns are read when asked for
     counters[3].in_flight += 1
-    assert Loads(candidates).backlog.tolist() == [0.0, 9.5, 0.0, 0.0, 0.0]
-    assert Loads(candidates).in_flight.tolist() == [4, 4, 2, 1, 0]
+    assert board.columns(candidates).columns.backlog.tolist() == [0.0, 9.5, 0.0, 0.0, 0.0]
+    assert board.columns(candidates).columns.in_flight.tolist() == [4, 4, 2, 1, 0]
     keep = np.array([True, False, True, False, True])
     kept = [ep for ep, k in zip(candidates, keep) if k]
     subset = loads.subset(keep, kept)
     assert subset.endpoints is kept
-    assert subset.in_flight.tolist() == [4, 2, 0]
-    assert subset.backlog.tolist() == [0.0, 0.0, 0.0]
-    with pytest.raises(AttributeError):
-        _ = loads.in_flihgt
+    assert subset.columns.in_flight.tolist() == [4, 2, 0]
+    assert subset.columns.backlog.tolist() == [0.0, 0.0, 0.0]
+    # views whose counters are on other boards (made outside a datastore) read the same
+    elsewhere = views([LoadCounter(i, tokens=10 * i, kv_base=0.1, kv_per_token=0.01) for i in range(5)])[::-1]
+    assert board.columns(elsewhere).matrix.tolist() == board.columns(views(
+        [LoadCounter(i, board=board, tokens=10 * i, kv_base=0.1, kv_per_token=0.01) for i in range(5)])[::-1]).matrix.tolist()
 
 
 def test_a_filter_that_narrows_the_candidates_hands_the_scorers_their_loads() -> None:
-    full = LoadCounter(kv_base=1.0)  # its KV cache is full: the saturation filter drops it
-    idle = [LoadCounter(i % 3) for i in range(VECTOR_MIN)]  # enough pods to be filtered on columns
+    board = LoadBoard()
+    full = LoadCounter(board=board, kv_base=1.0)  # its KV cache is full: the saturation filter drops it
+    idle = [LoadCounter(i % 3, board=board) for i in range(VECTOR_MIN)]  # enough pods to be filtered on columns
     candidates = views([full, *idle])
     ctx = PluginContext(ApproxPrefixIndex(), PrefixIndex(), None, set(), 256)
     saturation = build("saturation", "saturation-filter", {}, ctx)[1]
     cycle = Cycle(SchedulingRequest("r", "m", [1] * 64), PrefixIndex().fingerprinter.prompt([1] * 64),
-                  0, 16)
+                  0, 16, board=board)
     kept = saturation.filter(cycle, candidates)
     assert [ep.counter for ep in kept] == idle
-    assert cycle.loads(kept).in_flight.tolist() == [i % 3 for i in range(VECTOR_MIN)]
+    assert cycle.loads(kept).columns.in_flight.tolist() == [i % 3 for i in range(VECTOR_MIN)]
 
 
 def reference_estimate(c: LoadCounter, *, prompt: int, cached: int, best_cached: int, now: float, rate: float,
@@ -110,14 +125,16 @@ def reference_estimate(c: LoadCounter, *, prompt: int, cached: int, best_cached:
 
 
 @pytest.mark.parametrize("pods", [5, VECTOR_MIN, 300])
-def test_the_estimate_pod_by_pod_or_on_whole_columns_is_the_formula_for_every_pod(pods: int) -> None:
+@pytest.mark.parametrize("board", [True, False], ids=["one-board", "stand-alone"])
+def test_the_estimate_pod_by_pod_or_on_whole_columns_is_the_formula_for_every_pod(pods: int, board: bool) -> None:
     rng = random.Random(pods)
     prompt = list(range(4096))
     precise = PrefixIndex()
     blocks = precise.fingerprinter.prompt(prompt).all()
+    shared = LoadBoard() if board else None
     counters, held = [], []
     for i in range(pods):
-        c = LoadCounter(default_rate=2000.0)
+        c = LoadCounter(default_rate=2000.0, board=shared)
         for _ in range(rng.randrange(4)):
             c.enqueue(rng.randrange(1, 3000), now=rng.uniform(0.0, 1.0))
             c.in_flight += 1
@@ -136,7 +153,7 @@ def test_the_estimate_pod_by_pod_or_on_whole_columns_is_the_formula_for_every_po
     ctx = PluginContext(ApproxPrefixIndex(), precise, None, {ep.id for ep in candidates}, 256)
     scorer = build("ttft", "ttft-scorer", {}, ctx)[1]
     cycle = Cycle(SchedulingRequest("r", "m", prompt), precise.fingerprinter.prompt(prompt), 0, 16,
-                  now=1.5)
+                  now=1.5, board=shared)
     sent = sum(c.sent_requests for c in counters)
     mean_work = sum(c.sent_work for c in counters) / sent
     expected = [reference_estimate(c, prompt=len(prompt), cached=16 * n, best_cached=16 * max(held), now=1.5,

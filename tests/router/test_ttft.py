@@ -8,7 +8,7 @@ import numpy as np
 
 from kvflow.endpoints import Endpoint
 from kvflow.router.framework import Cycle
-from kvflow.router.load import Loads
+from kvflow.router.load import LoadBoard
 from kvflow.router.model import EndpointView, EngineMetrics, LoadCounter, SchedulingRequest
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.plugins.ttft import pool_speed
@@ -141,7 +141,7 @@ def test_a_large_pools_speed_is_the_median_of_a_sample_spread_over_it() -> None:
                           counter=LoadCounter(seconds_per_token=s)) for i, s in enumerate(speeds)]
     def speed(of: list[EndpointView]) -> float:
         speeds = pool_speed([ep.counter.seconds_per_token for ep in of])
-        assert pool_speed(Loads(of).seconds_per_token) == speeds  # the same from a column
+        assert pool_speed(LoadBoard(1).columns(of).columns.seconds_per_token) == speeds  # the same from a column
         return speeds
 
     assert speed(views) == 0.001
