@@ -85,6 +85,12 @@ def start_up(argv: list[str]) -> subprocess.Popen[str]:
     raise AssertionError(f"kvflow up did not start (exit {proc.wait()})")
 
 
+def close_output(proc: subprocess.Popen[str]) -> None:
+    """wait() leaves the pipe open, for the collector to warn about."""
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 def test_a_batch_survives_sigkill_of_the_whole_stack_and_answers_each_line_once(tmp_path: Path) -> None:
     gw, pod_port = free_port(), free_port()
     url = f"http://127.0.0.1:{gw}"
@@ -100,6 +106,7 @@ def test_a_batch_survives_sigkill_of_the_whole_stack_and_answers_each_line_once(
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         stack.wait(timeout=10)
+        close_output(stack)
         deadline = time.monotonic() + 10
         while any(pids_with(marker) for marker in (f"--port {pod_port} ", f"--port {gw} ")):
             assert time.monotonic() < deadline, "killed processes are still there"
@@ -115,6 +122,7 @@ def test_a_batch_survives_sigkill_of_the_whole_stack_and_answers_each_line_once(
         if stack.poll() is None:
             stack.send_signal(signal.SIGTERM)
             stack.wait(timeout=30)
+        close_output(stack)
     assert set(seen) == {f"line-{i}" for i in range(n)}
     assert max(seen.values()) == 1  # none answered twice
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (n, n, 0)

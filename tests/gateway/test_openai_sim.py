@@ -67,6 +67,7 @@ def test_the_gateway_tokenizes_as_its_pods_do_without_asking_them(stack) -> None
         assert ours[1]["error"]["type"] == theirs[1]["error"]["type"], (ours, theirs)  # type: ignore[index]
     with pytest.raises(urllib.error.HTTPError) as wrong_method:
         urllib.request.urlopen(f"{url}/tokenize", timeout=10)
+    wrong_method.value.close()  # the error holds the response's connection open until closed
     assert wrong_method.value.code == 405
 
 

@@ -162,6 +162,8 @@ def test_kvflow_status_prints_the_pods_and_decisions_as_tables(stack: Stack) -> 
     finally:
         watch.terminate()
         watch.wait(10)
+        if watch.stdout is not None:
+            watch.stdout.close()  # wait() leaves the pipe open, for the collector to warn about
 
 
 @pytest.mark.parametrize(("key", "says"), [

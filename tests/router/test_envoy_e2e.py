@@ -130,6 +130,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             )
         finally:
             private.shutdown()
+            private.server_close()
 
 
 def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -140,7 +141,8 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) 
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+        with e:  # the error holds the response's connection open until closed
+            return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
 
 
 def get_json(url: str) -> Any:
@@ -220,6 +222,7 @@ def test_bad_json_is_400(stack: Stack) -> None:
     req = urllib.request.Request(stack.closed + "/v1/completions", b"{not json", {"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=10)
+    info.value.close()  # the error holds the response's connection open until closed
     assert info.value.code == 400
 
 

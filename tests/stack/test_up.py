@@ -58,13 +58,17 @@ def start_stack(tmp_path: Path, *extra: str) -> Stack:
 
 
 def stop_stack(stack: Stack) -> None:
-    if stack.proc.poll() is None:
-        stack.proc.send_signal(signal.SIGTERM)
-        try:
-            stack.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(stack.proc.pid, signal.SIGKILL)
-            raise
+    try:
+        if stack.proc.poll() is None:
+            stack.proc.send_signal(signal.SIGTERM)
+            try:
+                stack.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(stack.proc.pid, signal.SIGKILL)
+                raise
+    finally:
+        if stack.proc.stdout is not None:
+            stack.proc.stdout.close()  # wait() leaves the pipe open, for the collector to warn about
 
 
 @pytest.fixture
