@@ -33,6 +33,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("keda.sh/v1alpha1", "ScaledObject"): ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     ("v1", "PersistentVolumeClaim"): ("/api/v1", "persistentvolumeclaims"),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
     ("coordination.k8s.io/v1", "Lease"): ("/apis/coordination.k8s.io/v1", "leases"),
     (API_VERSION, KIND): (f"/apis/{API_VERSION}", "llmservices"),
 }
@@ -41,7 +42,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
 APPLY_ORDER = [
     "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PersistentVolumeClaim", "Service", "Deployment",
     "LeaderWorkerSet",
-    "PodDisruptionBudget", "InferencePool", "HTTPRoute", "HorizontalPodAutoscaler", "ScaledObject",
+    "PodDisruptionBudget", "NetworkPolicy", "InferencePool", "HTTPRoute", "HorizontalPodAutoscaler", "ScaledObject",
 ]
 
 

@@ -18,6 +18,7 @@ from kvflow.operator.render_control import (
     gateway_objects,
     picker_objects,
 )
+from kvflow.operator.render_network import network_policies
 from kvflow.operator.render_pools import render_pools
 from kvflow.operator.spec import API_VERSION, KIND, LLMService, parse
 
@@ -26,6 +27,8 @@ def render(svc: LLMService, images: names.Images | None = None) -> list[Obj]:
     images = images or names.Images()
     objs = picker_objects(svc, images) + render_pools(svc, images)
     objs += gateway_objects(svc, images) + autoscaler_objects(svc)
+    if svc.spec.network_policy.enabled:
+        objs += network_policies(svc, metrics_from=svc.spec.network_policy.metrics_namespaces)
     return sort_for_apply(objs)
 
 

@@ -504,6 +504,15 @@ class RolloutSpec(_Model):
         return value
 
 
+class NetworkPolicySpec(_Model):
+    """NetworkPolicies that let only the service's gateway, picker and peers reach its engines."""
+
+    enabled: bool = True
+    # Namespaces whose pods may scrape /metrics (engines serve it on their inference port);
+    # default: the namespace of autoscaling.prometheusAddress.
+    metrics_namespaces: tuple[Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")], ...] | None = None
+
+
 class LifecycleSpec(_Model):
     stuck_detection: bool = True
     stuck_after_seconds: Annotated[int, Field(ge=10)] = 300
@@ -544,6 +553,7 @@ class LLMServiceSpec(_Model):
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     rollout: RolloutSpec = RolloutSpec()
     lifecycle: LifecycleSpec = LifecycleSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
 
     @pydantic.model_validator(mode="after")
     def _cross_field(self) -> LLMServiceSpec:

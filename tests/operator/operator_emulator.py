@@ -43,6 +43,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "autoscaling/v2/horizontalpodautoscalers": {"kind": "HorizontalPodAutoscaler", "namespaced": True},
     "inference.networking.k8s.io/v1/inferencepools": {"kind": "InferencePool", "namespaced": True,
                                                        "subresources": {"status"}},

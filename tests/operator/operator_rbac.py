@@ -31,6 +31,7 @@ GRANTED_FOR_OTHER_PATHS = {
     # Multi-node pools (LeaderWorkerSets) and the model cache claim (model.cacheSize).
     *(("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("list", "create", "patch", "delete")),
     *(("", "persistentvolumeclaims", v) for v in ("create", "patch", "delete")),
+    ("networking.k8s.io", "networkpolicies", "delete"),
     # Held for the OwnerReferencesPermissionEnforcement admission plugin (blockOwnerDeletion).
     ("kvflow.io", "llmservices/finalizers", "update"),
     # Leader election: a replica creates the Lease only when none exists yet (the e2e test's

@@ -495,7 +495,7 @@ def test_the_router_follows_every_data_parallel_rank() -> None:
 
 GIE = {"routing": {"picker": "gie", "profile": "prefix-approx"}, "prefill": {"replicas": 0},
        "gateway": {"mode": "httpRoute", "parentRef": {"name": "inference-gateway"}}}
-PICKER_KINDS = {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"}
+PICKER_KINDS = {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service", "NetworkPolicy"}
 
 
 def flag_values(arguments: list[str]) -> dict[str, str]:
@@ -708,3 +708,17 @@ def test_a_pool_override_changes_that_pool_only() -> None:
     env = merged(load("pd-nixl.yaml"), {"spec": {"decode": {"engine": {"env": [{"name": "UCX_TLS", "value": "rc"}]}}}})
     engine = by_kind(render(with_uid(env), IMAGES), "Deployment", "llama-pd-decode")["spec"]["template"]["spec"]["containers"][0]
     assert env_of(engine)["UCX_TLS"] == "rc"  # the pool's env replaces the shared one of that name
+
+
+def test_network_policies_are_rendered_unless_turned_off() -> None:
+    objs = render(with_uid(load("sim.yaml")), IMAGES)
+    assert sorted(o["metadata"]["name"] for o in objs if o["kind"] == "NetworkPolicy") == [
+        "sim-llm-engines", "sim-llm-router"]
+    off = merged(load("sim.yaml"), {"spec": {"networkPolicy": {"enabled": False}}})
+    assert crd_errors(off) == []
+    assert not [o for o in render(with_uid(off), IMAGES) if o["kind"] == "NetworkPolicy"]
+    scrapers = merged(load("sim.yaml"), {"spec": {"networkPolicy": {"metricsNamespaces": ["observability"]}}})
+    engines = by_kind(render(with_uid(scrapers), IMAGES), "NetworkPolicy", "sim-llm-engines")
+    validate(engines)
+    peers = [p for rule in engines["spec"]["ingress"] for p in rule.get("from", [])]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}} in peers
