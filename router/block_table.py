@@ -84,6 +84,17 @@ def checked_hashes(hashes: Iterable[Any]) -> list[int]:
     return out
 
 
+def _probes(index: _Slots, keys: list[int]) -> list[int]:
+    """A first slot to read for each key: its ``probe`` slot as the table is now, for many keys
+    at once with numpy; for a few, its home. Either is the key's slot, a free slot where it goes,
+    or a slot holding another key, past which the caller probes (a home taken, or a free slot
+    that a record stored meanwhile took)."""
+    if len(keys) >= _VECTOR_MIN:
+        return index.probe_many(np.array(keys, np.uint64)).tolist()  # type: ignore[no-any-return]
+    mul, shift, mask = index.mul, index.shift, index.mask
+    return [(h * mul >> shift) & mask for h in keys]  # ``_Slots.home``, inlined
+
+
 def _table_size(blocks: int, load: float = _MAX_LOAD) -> int:
     """The smallest power-of-two slot table that holds ``blocks`` under the load limit."""
     size = _MIN_SLOTS
@@ -152,25 +163,34 @@ class _Slots:
         slots = np.frombuffer(self.slots, np.int32)
         return slots[slots >= 0].astype(np.int64)
 
-    def find(self, h: int) -> int:
-        """The record whose key is ``h``, or -1."""
+    def home(self, h: int) -> int:
+        """The slot the probe run of key ``h`` starts at (``homes`` for an array of keys)."""
+        return (h * self.mul >> self.shift) & self.mask
+
+    def probe(self, h: int) -> int:
+        """The slot of ``h``'s probe run that holds the record with key ``h``, else the free slot
+        the run ends at (where such a record goes). Every lookup one key at a time is this loop;
+        ``find_many`` is its numpy form and ``find_prefix`` its C one. Keys in the table are
+        distinct, so the first record with key ``h`` is the only one."""
         slots, key, mask = self.slots, self.keys, self.mask
         s = (h * self.mul >> self.shift) & mask
         r = slots[s]
         while r >= 0 and key[r] != h:
             s = (s + 1) & mask
             r = slots[s]
-        return r
+        return s
+
+    def find(self, h: int) -> int:
+        """The record whose key is ``h``, or -1."""
+        return self.slots[self.probe(h)]
 
     def delete(self, r: int) -> bool:
         """Take record ``r`` out, if it is in. Backward shift: the later records of its probe
         run move up into the hole, so no lookup stops early."""
         slots, key, mul, shift, mask = self.slots, self.keys, self.mul, self.shift, self.mask
-        s = (key[r] * mul >> shift) & mask
-        while (at := slots[s]) != r:
-            if at < 0:
-                return False
-            s = (s + 1) & mask
+        s = self.probe(key[r])
+        if slots[s] != r:
+            return False
         hole, s = s, (s + 1) & mask
         while (moved := slots[s]) >= 0:
             home = (key[moved] * mul >> shift) & mask
@@ -182,29 +202,34 @@ class _Slots:
         self.count -= 1
         return True
 
-    def find_many(self, hashes: np.ndarray) -> np.ndarray:
-        """``find`` for many keys at once, in numpy. Most keys sit in their home slot (the table is
-        at most half full), so every key's home is read and compared first; the keys whose home
-        holds another key go on with the next ``_WINDOW`` slots of their probe run, read at once (a
-        key is never past an empty slot of its run), the rare longer runs one by one. (Home first,
-        because reading every key's first ``_WINDOW`` slots at once reads mostly slots no key needs.)"""
+    def probe_many(self, hashes: np.ndarray) -> np.ndarray:
+        """``probe`` for many keys at once, in numpy. Most keys sit in their home slot, or end
+        their run there (the table is at most half full), so every key's home is read and
+        compared first; the keys whose home holds another key go on with the next ``_WINDOW``
+        slots of their probe run, read at once, the rare longer runs through ``probe``. (Home
+        first, because reading every key's first ``_WINDOW`` slots at once reads mostly slots no
+        key needs.)"""
         slots, keys = np.frombuffer(self.slots, np.int32), np.frombuffer(self.keys, np.uint64)
-        home = self.homes(hashes)
-        found = slots[home]
-        taken = found >= 0
-        hit = taken & (keys[found] == hashes)  # found -1 reads the last key: masked out
-        records = np.where(hit, found, _NONE).astype(np.int32)
-        on = np.flatnonzero(taken & ~hit)
+        at = self.homes(hashes)
+        if not len(keys):  # no record yet: every slot is free
+            return at
+        found = slots[at]
+        on = np.flatnonzero((found >= 0) & (keys[found] != hashes))  # found -1 reads the last key: masked out
         if not on.size:
-            return records
-        window = (home[on, None] + 1 + _WINDOW_STEPS) & self.mask
+            return at
+        window = (at[on, None] + 1 + _WINDOW_STEPS) & self.mask
         found = slots[window]
-        hit = (found >= 0) & (keys[found] == hashes[on, None])
-        rows, first = np.arange(len(on)), hit.argmax(axis=1)
-        got = hit[rows, first]
-        records[on] = np.where(got, found[rows, first], _NONE)
-        for j in on[~got & (found >= 0).all(axis=1)].tolist():  # a full window without the key: its run goes on
-            records[j] = self.find(int(hashes[j]))
+        stop = (found < 0) | (keys[found] == hashes[on, None])
+        rows, first = np.arange(len(on)), stop.argmax(axis=1)
+        got = stop[rows, first]
+        at[on] = np.where(got, window[rows, first], _NONE)
+        for j in on[~got].tolist():  # a full window without the key: its run goes on
+            at[j] = self.probe(int(hashes[j]))
+        return at
+
+    def find_many(self, hashes: np.ndarray) -> np.ndarray:
+        """``find`` for many keys at once, in numpy (``probe_many``)."""
+        records: np.ndarray = np.frombuffer(self.slots, np.int32)[self.probe_many(hashes)]
         return records
 
     def find_prefix(self, hashes: np.ndarray) -> np.ndarray:
@@ -370,17 +395,15 @@ class BlockTable:
         return alive or set(), stop
 
     def _walk_lazy(self, it: Iterator[int], matched: dict[int, int]) -> tuple[set[int], int]:
-        """The walk over keys as they come: one probe per block, inlined."""
-        index = self._index
-        slots, key, mix, mul, shift, mask = index.slots, self._key, self._mix, index.mul, index.shift, index.mask
+        """The walk over keys as they come: one probe per block."""
+        index, key, mix = self._index, self._key, self._mix
+        slots, probe, mul, shift, mask = index.slots, index.probe, index.mul, index.shift, index.mask
         alive: set[int] | None = None
         last_mix, i = 0, 0
         for h in it:
-            s = (h * mul >> shift) & mask
-            r = slots[s]
-            while r >= 0 and key[r] != h:
-                s = (s + 1) & mask
-                r = slots[s]
+            r = slots[(h * mul >> shift) & mask]  # its home: most keys are there
+            if r >= 0 and key[r] != h:  # another block there: the run goes on
+                r = slots[probe(h)]
             if r < 0:
                 break
             if alive is None or mix[r] != last_mix:
@@ -421,18 +444,17 @@ class BlockTable:
         index = self._index
         if self._blocks + len(keys) > _MAX_LOAD * len(index.slots):
             index.resize(_table_size(self._blocks + len(keys)), self._live_records())
-        # One loop, everything inlined: a routed 8k-token prompt stores 512 blocks.
-        slots, key, mix, first = index.slots, self._key, self._mix, self._first
+        # One loop, inlined but for the probes: a routed 8k-token prompt stores 512 blocks.
+        slots, key, mix, first, probe = index.slots, self._key, self._mix, self._first, index.probe
         mul, shift, mask = index.mul, index.shift, index.mask
         owner, block, nxt, stamp = self._owner, self._block, self._next, self._stamp
         log, endpoint_key, refresh = self._logs[p], self._keys[p], self.refresh
         records: list[int] | None = [] if vhashes is not None else None
         added = far = 0
-        for h in keys:
-            s = home = (h * mul >> shift) & mask
+        for h, s in zip(keys, _probes(index, keys)):
             r = slots[s]
-            while r >= 0 and key[r] != h:
-                s = (s + 1) & mask
+            if r >= 0 and key[r] != h:  # another block there: the run goes on
+                s = probe(h)
                 r = slots[s]
             if r < 0:  # a new block: its record takes the free slot the probe stopped at
                 r = self._free_record
@@ -449,8 +471,8 @@ class BlockTable:
                 slots[s] = r
                 index.count += 1
                 self._blocks += 1
-                if (s - home) & mask > far:
-                    far = (s - home) & mask
+                if (s - (h * mul >> shift)) & mask > far:  # its distance from home
+                    far = (s - (h * mul >> shift)) & mask
                 if records is not None:
                     records.append(~r)  # new: its vLLM hash is not registered yet
             else:
@@ -491,7 +513,8 @@ class BlockTable:
         """``endpoint`` no longer holds these blocks (those it did not hold are ignored)."""
         p = self._by_id.get(endpoint)
         if p is not None:
-            self._drop_records(p, list(map(self._index.find, checked_hashes(keys))))
+            slots, probe = self._index.slots, self._index.probe
+            self._drop_records(p, [slots[probe(h)] for h in checked_hashes(keys)])
 
     def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
         """``remove`` by vLLM's hashes: the keys of the blocks they name (translate only)."""
@@ -545,18 +568,17 @@ class BlockTable:
         vindex, vkey, alias = self._vindex, self._vkey, self._alias
         if vindex.count + len(records) > _MAX_VLOAD * len(vindex.slots):
             vindex.resize(_table_size(vindex.count + len(records), _MAX_VLOAD), vindex.live())
-        vslots, mul, shift, mask = vindex.slots, vindex.mul, vindex.shift, vindex.mask
+        vslots, probe, mul, shift, mask = vindex.slots, vindex.probe, vindex.mul, vindex.shift, vindex.mask
         far = 0
-        for r, h in zip(records, hashes):
+        for r, h, s in zip(records, hashes, _probes(vindex, hashes)):  # the hash's slot, or the free one to put it in
             new = r < 0
             if new:
                 r = ~r
             elif vkey[r] == h:  # stored again, or by another pod: named already (or the name is taken)
                 continue
-            s = home = (h * mul >> shift) & mask  # one probe: finds the hash, or the free slot to put it in
             x = vslots[s]
-            while x >= 0 and vkey[x] != h:
-                s = (s + 1) & mask
+            if x >= 0 and vkey[x] != h:  # another hash there: the run goes on
+                s = probe(h)
                 x = vslots[s]
             if x >= 0 or h in alias:  # the hash names another block: the first writer keeps it
                 if new:
@@ -569,8 +591,8 @@ class BlockTable:
             vkey[r] = h
             vslots[s] = r
             vindex.count += 1
-            if (s - home) & mask > far:
-                far = (s - home) & mask
+            if (s - (h * mul >> shift)) & mask > far:
+                far = (s - (h * mul >> shift)) & mask
         if far >= vindex.probe_bound():
             vindex.redraw()
 
