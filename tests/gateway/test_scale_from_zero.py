@@ -23,7 +23,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
 from kvflow.endpoints import Endpoint, Role
 from kvflow.errors import NoCapacityError
@@ -38,6 +37,7 @@ from kvflow.router.router import Router
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
 import kmock  # noqa: E402
 import kube_emulator  # noqa: E402  (the operator tests' emulated API server)
+from operator_emulator import point_kubernetes_clients_at  # noqa: E402
 
 MODEL = "tiny"
 NS = "ml"
@@ -72,19 +72,9 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    from kubernetes_asyncio.config import kube_config  # reads KUBECONFIG at import: point it here
-
     port = free_port(POD_HOST)
     async with kube_emulator.Cluster() as k8s, kmock.Server(k8s) as server:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-            "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}],
-            "users": [{"name": "test", "user": {}}],
-        }))
-        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        point_kubernetes_clients_at(str(server.url), tmp_path, monkeypatch)
         found = Cluster(server, port, tmp_path / "sim-logs")
         await found.create(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", {
             "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": MODEL},

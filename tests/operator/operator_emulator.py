@@ -22,12 +22,14 @@ import dataclasses
 import datetime
 import itertools
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp.web
 import jsonpatch
 import jsonpointer
 import kmock
+import yaml
 from kmock._internal import rendering
 from kmock._internal.k8s import KubernetesError, KubernetesObjectNotFoundError
 
@@ -374,3 +376,25 @@ def _audit_entry(request: rendering.Request) -> AuditEntry:
     return AuditEntry(verb=verb, group=request.resource.group or "", resource=request.resource.plural or "",
                       subresource=request.subresource, namespace=request.namespace, name=request.name,
                       user_agent=request.headers.get("User-Agent", ""))
+
+
+def write_kubeconfig(server_url: str, path: Path) -> Path:
+    """A kubeconfig whose one context reaches the emulated API server without credentials."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": server_url.rstrip("/")}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}],
+        "users": [{"name": "test", "user": {}}],
+    }))
+    return path
+
+
+def point_kubernetes_clients_at(server_url: str, directory: Path, monkeypatch: Any) -> Path:
+    """Make kubernetes_asyncio's default kubeconfig (what a router or gateway outside a cluster
+    loads) one that names ``server_url``, as a pod's in-cluster config names its API server."""
+    from kubernetes_asyncio.config import kube_config  # reads KUBECONFIG at import: point it here
+
+    kubeconfig = write_kubeconfig(server_url, directory / "kubeconfig")
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    return kubeconfig

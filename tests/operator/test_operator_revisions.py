@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from operator_emulator import write_kubeconfig
 from operator_harness import Harness, eventually
 from test_operator_lifecycle import LLMS, NAME, NS, sample, status
 
@@ -28,13 +29,7 @@ from kvflow.tokenizer import load_tokenizer
 
 
 def kubeconfig(h: Harness, path: Path) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": str(h.server.url).rstrip("/")}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}],
-        "users": [{"name": "test", "user": {}}],
-    }))
-    return path
+    return write_kubeconfig(str(h.server.url), path)
 
 
 def revisions(router: Router) -> dict[Role, set[str]]:

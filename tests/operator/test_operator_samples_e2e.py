@@ -23,7 +23,7 @@ import aiohttp
 import kmock
 import pytest
 import yaml
-from operator_emulator import Cluster
+from operator_emulator import Cluster, point_kubernetes_clients_at
 from operator_tools import SAMPLES
 
 from kvflow.gateway.config import GatewayConfig
@@ -68,18 +68,8 @@ def local_args(container: dict[str, Any], env: dict[str, str], ip: str, port: in
 
 @pytest.fixture
 async def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[kmock.Server]:
-    from kubernetes_asyncio.config import kube_config
-
     async with Cluster() as k8s, kmock.Server(k8s) as server:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-            "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}],
-            "users": [{"name": "test", "user": {}}],
-        }))
-        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        point_kubernetes_clients_at(str(server.url), tmp_path, monkeypatch)
         yield server
 
 
