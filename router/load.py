@@ -87,6 +87,9 @@ FIELDS: dict[str, int] = {name: i for i, name in enumerate(Loads._fields)}
 WIDTH = len(FIELDS)
 _DEFAULTS: dict[str, float] = dict.fromkeys(FIELDS, 0.0) | {"default_rate": DEFAULT_PREFILL_RATE, "room": math.inf}
 _DEFAULT_ROW = array("d", _DEFAULTS.values())
+_BACKLOG, _BACKLOG_AT, _SENT_WORK, _DONE_WORK, _SENT_REQUESTS, _SECONDS_PER_TOKEN, _DEFAULT_RATE = (
+    FIELDS[name] for name in ("backlog", "backlog_at", "sent_work", "done_work", "sent_requests",
+                              "seconds_per_token", "default_rate"))
 
 
 class LoadBoard:
@@ -269,29 +272,38 @@ class LoadCounter:
         spt = self.seconds_per_token
         return 1.0 / spt if spt > 0 else self.default_rate
 
+    # The queue's methods run a few times per request: they read and write the row directly.
+
     def queued(self, now: float) -> float:
         """Prefill work still ahead of a request sent at ``now``."""
-        drained = self.backlog - (now - self.backlog_at) * self.rate
-        known = self.sent_work - self.done_work
+        v, b = self.board.values, self.base
+        spt = v[b + _SECONDS_PER_TOKEN]
+        rate = 1.0 / spt if spt > 0 else v[b + _DEFAULT_RATE]
+        drained = v[b + _BACKLOG] - (now - v[b + _BACKLOG_AT]) * rate
+        known = v[b + _SENT_WORK] - v[b + _DONE_WORK]
         return max(0.0, min(drained, known))
 
     def enqueue(self, work: int, now: float) -> tuple[float, int]:
         """A request with ``work`` tokens to prefill joins the queue: (work ahead of it, its position)."""
         ahead = self.queued(now)
-        self.backlog, self.backlog_at = ahead + work, now
-        position = self.sent_work + work
-        self.sent_work = position
-        self.sent_requests += 1
+        v, b = self.board.values, self.base
+        v[b + _BACKLOG], v[b + _BACKLOG_AT] = ahead + work, now
+        position = int(v[b + _SENT_WORK]) + work
+        v[b + _SENT_WORK] = position
+        v[b + _SENT_REQUESTS] += 1
         return ahead, position
 
     def dequeue(self, work: int, now: float) -> None:
         """A request sent with ``work`` failed before computing anything: take its work back out."""
-        self.backlog, self.backlog_at = max(0.0, self.queued(now) - work), now
+        ahead = self.queued(now)
+        v, b = self.board.values, self.base
+        v[b + _BACKLOG], v[b + _BACKLOG_AT] = max(0.0, ahead - work), now
 
     def prefilled(self, position: int) -> None:
         """The request at ``position`` has its first token: everything up to it is done."""
-        if position > self.done_work:
-            self.done_work = position
+        v, at = self.board.values, self.base + _DONE_WORK
+        if position > v[at]:
+            v[at] = position
 
     @property
     def mean_work(self) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvflow.router.framework import Cycle, min_max_inverse
+from kvflow.router.load import VECTOR_MIN
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 from kvflow.endpoints import EndpointId
@@ -20,4 +21,8 @@ class ActiveRequestScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
-        return min_max_inverse({ep.id: float(ep.counter.in_flight) for ep in endpoints})
+        if len(endpoints) >= VECTOR_MIN:
+            in_flight = cycle.loads(endpoints).columns.in_flight.tolist()
+        else:
+            in_flight = [c.in_flight for c in cycle.numbers(endpoints)]
+        return min_max_inverse({ep.id: n for ep, n in zip(endpoints, in_flight)})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvflow.router.framework import Cycle, min_max_inverse
+from kvflow.router.load import VECTOR_MIN
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
 from kvflow.endpoints import EndpointId
@@ -21,4 +22,10 @@ class QueueScorer:
         self.name = name
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Mapping[EndpointId, float]:
-        return min_max_inverse({ep.id: float(ep.queue) for ep in endpoints})
+        # ``EndpointView.queue``, from the cycle's load numbers: a column each for many pods
+        if len(endpoints) >= VECTOR_MIN:
+            c = cycle.loads(endpoints).columns
+            queue = (c.prefilling + c.foreign_waiting).tolist()
+        else:
+            queue = [c.prefilling + c.foreign_waiting for c in cycle.numbers(endpoints)]
+        return min_max_inverse({ep.id: q for ep, q in zip(endpoints, queue)})
