@@ -245,9 +245,10 @@ class Router:
         # Forgetting old guesses, recording the decision: after the send (``_later``), each a few
         # dozen µs of sets and records freed, of no use to this decision (a guess then lives a
         # decision longer than its ``ttl``).
-        self._later(self.speculative.expire, self._clock())
-        if self.outliers.next_due <= self._clock():
-            self._readmit()
+        now = self._clock()  # one reading per decision: expiry and readmission see the same instant
+        self._later(self.speculative.expire, now)
+        if self.outliers.next_due <= now:
+            self._readmit(now)
         decoders, prefillers = self.datastore.by_role()
         try:
             decision = decide(
@@ -345,8 +346,8 @@ class Router:
     def _attempt_answered(self, endpoint: Endpoint, prefill: bool) -> None:
         self.outliers.succeeded(endpoint.id)
 
-    def _readmit(self) -> None:
-        for eid in self.outliers.due(self._clock()):
+    def _readmit(self, now: float) -> None:
+        for eid in self.outliers.due(now):
             self.datastore.set_ejected(eid, False)
             log.info("readmitted %s after its ejection", eid)
 
