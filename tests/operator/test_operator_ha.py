@@ -50,12 +50,12 @@ async def replicas(h: Harness, logs: Path, *names: str) -> AsyncIterator[dict[st
     try:
         for name in names:
             port = free_port()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvflow.cli", "operator", "run", "--server", str(h.server.url).rstrip("/"),
-                "--interval", "0.5", "--liveness", f"http://127.0.0.1:{port}/healthz",
-                "--lease-namespace", LEASE_NS, "--lease-name", LEASE,
-                env={**os.environ, "POD_NAME": name}, stdout=asyncio.subprocess.DEVNULL,
-                stderr=(logs / f"{name}.log").open("wb"))
+            with (logs / f"{name}.log").open("wb") as log:  # the child writes to its own copy
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "kvflow.cli", "operator", "run", "--server", str(h.server.url).rstrip("/"),
+                    "--interval", "0.5", "--liveness", f"http://127.0.0.1:{port}/healthz",
+                    "--lease-namespace", LEASE_NS, "--lease-name", LEASE,
+                    env={**os.environ, "POD_NAME": name}, stdout=asyncio.subprocess.DEVNULL, stderr=log)
             started[name] = Replica(name, proc, port)
         yield started
     finally:
