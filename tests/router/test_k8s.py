@@ -98,7 +98,13 @@ async def test_watcher_follows_pods_on_an_api_server() -> None:
     from kvflow.router.config import KubernetesSpec
     from kvflow.router.k8s import PodWatcher
 
-    seen: list[list[str]] = []
+    seen: asyncio.Queue[list[str]] = asyncio.Queue()
+
+    async def until_seen(wanted: list[str]) -> None:
+        """The watcher's ``on_change`` calls, read until one reports ``wanted``."""
+        async with asyncio.timeout(10):
+            while await seen.get() != wanted:
+                pass
     async with emulator.Cluster() as k8s, kmock.Server(k8s) as server:
         url = str(server.url).rstrip("/")
 
@@ -115,19 +121,11 @@ async def test_watcher_follows_pods_on_an_api_server() -> None:
         await create("/apis/inference.networking.k8s.io/v1/namespaces/ml/inferencepools", pool)
         await create("/api/v1/namespaces/ml/pods", {"apiVersion": "v1", "kind": "Pod", **pod("a", "10.0.0.1")})
         spec = KubernetesSpec(namespace="ml", inferencePool="llama")
-        watcher = PodWatcher(spec, lambda eps: seen.append([e.id for e in eps]), api_url=url)
+        watcher = PodWatcher(spec, lambda eps: seen.put_nowait([e.id for e in eps]), api_url=url)
         await watcher.start()
         try:
-            for _ in range(200):
-                if seen and seen[-1] == ["10.0.0.1:8000"]:
-                    break
-                await asyncio.sleep(0.05)
-            assert seen[-1] == ["10.0.0.1:8000"]
+            await until_seen(["10.0.0.1:8000"])
             await create("/api/v1/namespaces/ml/pods", {"apiVersion": "v1", "kind": "Pod", **pod("b", "10.0.0.2")})
-            for _ in range(200):
-                if seen[-1] == ["10.0.0.1:8000", "10.0.0.2:8000"]:
-                    break
-                await asyncio.sleep(0.05)
-            assert seen[-1] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+            await until_seen(["10.0.0.1:8000", "10.0.0.2:8000"])
         finally:
             await watcher.stop()
