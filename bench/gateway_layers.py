@@ -19,7 +19,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from kvflow.gateway.app import Gateway, build_gateway
@@ -44,6 +44,16 @@ class _Response:
     @property
     def content_type(self) -> str:
         return self.headers.get("content-type", "")
+
+    async def readany(self, timeout: float | None = None) -> bytes:
+        raise NotImplementedError
+
+    async def pipe(self, write: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]],
+                   idle: float | None = None) -> None:
+        """``Response.pipe`` over a client that only reads: each piece awaited, then handed on."""
+        while chunk := await self.readany(idle):
+            if not write(chunk):
+                await drain()
 
 
 class _AiohttpResponse(_Response):
@@ -155,6 +165,7 @@ class _BufferedResponder:
         self.whole: tuple[int, bytes, list[tuple[str, str]]] | None = None
         self.head: tuple[int, list[tuple[str, str]]] | None = None
         self.head_sent = False
+        self.pending: list[bytes] = []
 
     def send(self, status: int, body: bytes, headers: Iterable[tuple[str, str]] = ()) -> None:
         self.started, self.status = True, status
@@ -166,6 +177,23 @@ class _BufferedResponder:
 
     def end(self) -> None:
         pass
+
+    async def write(self, chunk: bytes) -> None:
+        raise NotImplementedError
+
+    def write_now(self, chunk: bytes) -> bool:
+        """``Responder.write_now`` over an async send: the piece waits for ``drain``, so say False."""
+        if self.closed:
+            return False
+        self.pending.append(chunk)
+        return False
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the client has gone")
+        chunks, self.pending = self.pending, []
+        if chunks:
+            await self.write(b"".join(chunks))
 
 
 class AsgiResponder(_BufferedResponder):

@@ -235,7 +235,11 @@ def whole_response(out: Responder, ex: Exchange, answer: Answer) -> None:
 
 
 async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: float) -> None:
-    """Pass a stream through chunk by chunk as it arrives; never buffer."""
+    """Pass a stream through chunk by chunk as it arrives; never buffer.
+
+    The head goes out with the first chunk, in one write. A pod that fails mid-stream ends the
+    client's stream with an error event; a client that goes away closes (not releases) the pod's
+    connection, which makes vLLM abort the request."""
     upstream = answer.response
     ex.status = upstream.status
     now = time.perf_counter()
@@ -245,12 +249,14 @@ async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: fl
                                     ("Cache-Control", "no-cache"), ("X-Request-Id", ex.request_id),
                                     *ex.route_headers()])
         await out.write(answer.first_chunk or b"")
-        if isinstance(upstream, Response) and isinstance(out, Responder):
-            await _relay(upstream, out, ex, now, idle)
-        else:  # another HTTP client or server (bench/gateway_layers.py)
-            await _pump(upstream, out, ex, now, idle)
+        try:
+            await relay(upstream, out, idle, ex.chunk_gaps, now)
+        except ConnectionResetError:  # the client's (a ResponseError is the pod's)
+            raise
+        except (OSError, TimeoutError) as exc:
+            await out.write(_midstream(upstream, ex, exc))
         out.end()
-    except ConnectionResetError:  # the client left: closing (not releasing) aborts the upstream request
+    except ConnectionResetError:
         upstream.close()
         ex.error = "client_disconnect"
     except asyncio.CancelledError:
@@ -259,25 +265,33 @@ async def stream_response(out: Responder, ex: Exchange, answer: Answer, idle: fl
         raise
 
 
-async def _relay(upstream: Response, out: Responder, ex: Exchange, last: float, idle: float) -> None:
-    """The stream's rest, each piece written on to the client from the pod connection's callback."""
-    gaps, write = ex.chunk_gaps, out.write_now
+async def relay(upstream: Response, out: Responder, idle: float, gaps: list[float] | None = None,
+                last: float = 0.0) -> None:
+    """The rest of ``upstream``'s body, each piece written on to the client from the pod
+    connection's data callback (no task wake-up per token), then the pod connection released.
+
+    The one stream relay: the gateway's streamed answers and the sidecar's pass-through both run
+    it. A client that stops reading pauses the pod (``drain``). With ``gaps``, the time between
+    pieces is appended to it, counted from ``last`` (``time.perf_counter``). Raises
+    ConnectionResetError when the client has gone, OSError or TimeoutError (nothing for ``idle``
+    seconds) when the pod fails; the caller then closes ``upstream``."""
+    forward = out.write_now if gaps is None else _timed(out.write_now, gaps, last)
+    await upstream.pipe(forward, out.drain, idle)
+    upstream.release()
+
+
+def _timed(write: Callable[[bytes], bool], gaps: list[float], last: float) -> Callable[[bytes], bool]:
+    """``write``, appending to ``gaps`` the time since the previous piece (the first: since ``last``)."""
+    append, clock = gaps.append, time.perf_counter
 
     def forward(chunk: bytes) -> bool:
         nonlocal last
-        now = time.perf_counter()
-        gaps.append(now - last)
+        now = clock()
+        append(now - last)
         last = now
         return write(chunk)
 
-    try:
-        await upstream.pipe(forward, out.drain, idle)
-    except ConnectionResetError:  # the client's (ResponseError is the pod's)
-        raise
-    except (OSError, TimeoutError) as exc:
-        await out.write(_midstream(upstream, ex, exc))
-        return
-    upstream.release()
+    return forward
 
 
 def _midstream(upstream: Response, ex: Exchange, exc: BaseException) -> bytes:
@@ -288,23 +302,6 @@ def _midstream(upstream: Response, ex: Exchange, exc: BaseException) -> bytes:
     return sse_error(UpstreamError(
         f"the model server failed mid-stream ({type(exc).__name__}); the answer is incomplete"
     ))
-
-
-async def _pump(upstream: Response, out: Responder, ex: Exchange, last: float, idle: float) -> None:
-    read, gaps, write = upstream.readany, ex.chunk_gaps, out.write
-    while True:
-        try:
-            chunk = await read(idle)
-        except (OSError, TimeoutError) as exc:
-            await write(_midstream(upstream, ex, exc))
-            return
-        if not chunk:
-            upstream.release()
-            return
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-        await write(chunk)
 
 
 def send_json(out: Responder, status: int, data: object, request_id: str,

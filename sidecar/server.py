@@ -29,8 +29,8 @@ from kvflow.gateway.body import client_body, scrub_answer
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.httpserver import Request, Responder
 from kvflow.gateway.pd import decode_body, encode, prefill
-from kvflow.gateway.proxy import AttemptFailed, Exchange, Upstream, first_byte_timeout, send_error, stream_response, \
-    try_targets, whole_response
+from kvflow.gateway.proxy import AttemptFailed, Exchange, Upstream, first_byte_timeout, relay, send_error, \
+    stream_response, try_targets, whole_response
 from kvflow.gateway.server import limits_of, listen
 from kvflow.heap import settle_heap
 from kvflow.endpoints import Endpoint, parse_host_port
@@ -134,11 +134,9 @@ class Sidecar:
             return
         out.start(response.status, passed)
         try:
-            while chunk := await response.readany(self.config.timeouts.idle):
-                await out.write(chunk)
-            response.release()
+            await relay(response, out, self.config.timeouts.idle)
             out.end()
-        except (OSError, TimeoutError, asyncio.CancelledError):
+        except (OSError, TimeoutError, asyncio.CancelledError):  # the server drops the client's connection too
             response.close()
             raise
 
