@@ -99,3 +99,52 @@ async def test_a_client_that_leaves_mid_stream_aborts_the_pods_generation(sim_po
         writer.close()
         await eventually_running(session, pods[0], 0)
     assert in_flight(running) == 0
+
+
+@pytest.fixture
+async def sidecar() -> AsyncIterator[Callable[..., Any]]:
+    """A sidecar (``kvflow sidecar``'s handler on kvflow's server) in front of one pod."""
+    from kvflow.endpoints import Endpoint, parse_host_port
+    from kvflow.gateway.server import limits_of, listen
+    from kvflow.sidecar.server import Sidecar
+
+    started: list[tuple[asyncio.AbstractServer, Sidecar]] = []
+
+    async def start(pod: SimPod) -> int:
+        config = GatewayConfig()
+        side = Sidecar(config, Endpoint(*parse_host_port(pod.id)))
+        server, port = await listen(side.handle, "127.0.0.1", 0, limits_of(config))
+        started.append((server, side))
+        return port
+
+    yield start
+    for server, side in started:
+        server.close()
+        await side.upstream.stop()
+
+
+async def test_the_sidecar_passes_a_stream_through_whole(sim_pods, sidecar) -> None:  # type: ignore[no-untyped-def]
+    [pod] = sim_pods(1, "--model", MODEL)
+    port = await sidecar(pod)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                json={"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": True}) as r:
+            text = await r.text()
+            assert r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]" and len(events) >= 2
+
+
+async def test_a_client_that_leaves_the_sidecar_mid_stream_aborts_the_pods_generation(sim_pods, sidecar) -> None:  # type: ignore[no-untyped-def]
+    [pod] = sim_pods(1, "--model", MODEL, "--profile", "h100-llama8b", "--fault-slow-factor", "20")
+    port = await sidecar(pod)
+    raw = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2000, "stream": True}).encode()
+    async with aiohttp.ClientSession() as session:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: pod\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(raw), raw))
+        head = await reader.readuntil(b"data: ")  # the stream has begun
+        assert head.startswith(b"HTTP/1.1 200")
+        await eventually_running(session, pod, 1)
+        writer.close()
+        await eventually_running(session, pod, 0)
