@@ -173,7 +173,7 @@ class FakePod:
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self.runner.addresses[0][1]  # the port the OS chose
         self.endpoint = Endpoint(host, port)
         return self.endpoint
 

@@ -57,7 +57,7 @@ async def api_server(tmp_path: Path) -> AsyncIterator[tuple[str, certs.KeyPair, 
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]  # the port the OS chose
     try:
         yield f"https://127.0.0.1:{port}", ca, client
     finally:

@@ -154,7 +154,7 @@ async def test_init_container_fetches_a_hub_models_tokenizer(tmp_path: Path) -> 
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]  # the port the OS chose
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_TOKEN": "hf_secret"}
     try:
         async def fetch(source: str) -> tuple[int, str]:
