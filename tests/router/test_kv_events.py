@@ -238,28 +238,63 @@ def test_another_hash_of_the_same_block_also_translates() -> None:
     assert len(index) == 0 and [index.fingerprint_of(h) for h in (1, 2, 11, 12)] == [None] * 4
 
 
+def publisher(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, int]:
+    """A pod's publisher that hears subscriptions (XPUB, which a SUB socket cannot tell from PUB):
+    what it sends once one has arrived reaches that subscriber."""
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a subscriber's restart's too
+    return pub, pub.bind_to_random_port("tcp://127.0.0.1")
+
+
+async def subscribed(pub: zmq.asyncio.Socket) -> None:
+    """Until a subscriber's subscription reaches ``pub``."""
+    async with asyncio.timeout(5):
+        while not (await pub.recv()).startswith(b"\x01"):
+            pass  # an unsubscription (a subscriber that went away)
+
+
+class Reports:
+    """What a ``KvEventSubscriber`` reports as it goes: each applied batch (``on_event``) and
+    each problem (``on_problem``); a test waits on them instead of polling the index."""
+
+    def __init__(self) -> None:
+        self.problems: list[tuple[str, str]] = []
+        self.heard = asyncio.Event()
+
+    def event(self, endpoint: EndpointId, kind: str, n: int) -> None:
+        self.heard.set()
+
+    def problem(self, endpoint: EndpointId, kind: str) -> None:
+        self.problems.append((endpoint, kind))
+        self.heard.set()
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Until ``predicate`` holds, checked again at each report."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self.heard.clear()
+                await self.heard.wait()
+
+    def subscriber(self, index: PrefixIndex) -> KvEventSubscriber:
+        return KvEventSubscriber(index, on_event=self.event, on_problem=self.problem)
+
+
 async def test_subscriber_over_zmq_and_restart_detection() -> None:
     ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    pub, port = publisher(ctx)
     index = PrefixIndex()
-    sub = KvEventSubscriber(index)
+    reports = Reports()
+    sub = reports.subscriber(index)
     ep = Endpoint("127.0.0.1", 1)
     sub.add(ep, f"tcp://127.0.0.1:{port}")
     try:
-        payload = encode(stored(prompt(3)))
-        for _ in range(200):  # a SUB socket misses what is sent before it is connected
-            await pub.send_multipart([b"kv-events", (7).to_bytes(8, "big"), payload])
-            await asyncio.sleep(0.01)
-            if len(index):
-                break
+        await subscribed(pub)
+        await pub.send_multipart([b"kv-events", (7).to_bytes(8, "big"), encode(stored(prompt(3)))])
+        await reports.until(lambda: len(index) > 0)
         assert matched(index, prompt(3)) == {ep.id: 3}
         # seq going back: the pod restarted, so its old blocks are gone
         await pub.send_multipart([b"kv-events", (0).to_bytes(8, "big"), encode(stored(prompt(1)))])
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if matched(index, prompt(1)):
-                break
+        await reports.until(lambda: bool(matched(index, prompt(1))))
         assert matched(index, prompt(3)) == {} and matched(index, prompt(1)) == {ep.id: 1}
     finally:
         await sub.close()
@@ -380,8 +415,7 @@ def test_lora_and_salted_blocks_from_simulated_pods_match_the_requests_fingerpri
 async def test_missed_batches_are_replayed() -> None:
     """A gap in the sequence numbers is filled from the pod's replay socket (vLLM's protocol)."""
     ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    pub, port = publisher(ctx)
     router_sock = ctx.socket(zmq.ROUTER)
     replay_port = router_sock.bind_to_random_port("tcp://127.0.0.1")
     batches = {s: encode(stored(prompt(s + 1))) for s in range(3)}
@@ -396,20 +430,16 @@ async def test_missed_batches_are_replayed() -> None:
 
     server = asyncio.create_task(replay_server())
     index = PrefixIndex()
-    sub = KvEventSubscriber(index)
+    reports = Reports()
+    sub = reports.subscriber(index)
     ep = Endpoint("127.0.0.1", 2)
     sub.add(ep, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
     try:
-        for _ in range(200):  # seq 0 until the SUB socket is surely connected
-            await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), batches[0]])
-            await asyncio.sleep(0.01)
-            if len(index):
-                break
+        await subscribed(pub)
+        await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), batches[0]])
+        await reports.until(lambda: len(index) > 0)
         await pub.send_multipart([b"kv", (2).to_bytes(8, "big"), batches[2]])  # seq 1 never published
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if matched(index, prompt(3)):
-                break
+        await reports.until(lambda: bool(matched(index, prompt(3))))
         assert asked == [1]
         assert [matched(index, prompt(s + 1)) for s in range(3)] == [{ep.id: 1}, {ep.id: 2}, {ep.id: 3}]
     finally:
@@ -479,21 +509,12 @@ def test_one_bad_removal_in_a_run_of_them_drops_the_whole_batch(bad: object) -> 
         decode_runs(_raw(*good, bad, *good))
 
 
-async def _until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return False
-
-
 async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    problems: list[tuple[str, str]] = []
+    pub, port = publisher(ctx)
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, on_problem=lambda eid, kind: problems.append((eid, kind)))
+    reports = Reports()
+    sub = reports.subscriber(index)
     ep = Endpoint("127.0.0.1", 1)
     sub.add(ep, f"tcp://127.0.0.1:{port}")
     calls = {"n": 0}
@@ -507,26 +528,18 @@ async def test_a_bad_batch_is_dropped_counted_and_later_events_still_apply(monke
 
     monkeypatch.setattr(kv_events, "apply", flaky_apply)
     try:
-        seq = 0
-        while not problems and seq < 500:  # the SUB socket connects while we publish
-            seq += 1
-            await pub.send_multipart([b"t", seq.to_bytes(8, "big"), _raw(["BlockStored", [-1], None, [], 16, None, None])])
-            await asyncio.sleep(0.01)
-        assert problems[0] == (ep.id, "bad_batch") and len(index) == 0
-
-        async def publish(h: int) -> bool:
-            nonlocal seq
-            seq += 1
-            await pub.send_multipart([b"t", seq.to_bytes(8, "big"), encode(stored(prompt(h)[:16]))])
-            return await _until(lambda: matched(index, prompt(h)[:16]) == {ep.id: 1}, timeout=1.0)
-
-        assert not await publish(41)  # the subscriber's own failure: restarted, not dead
-        assert await _until(lambda: (ep.id, "restart") in problems)
-        for attempt in range(50):
-            if await publish(42 + attempt):
-                break
-        else:
-            raise AssertionError("the restarted subscriber never applied an event")
+        await subscribed(pub)
+        await pub.send_multipart([b"t", (1).to_bytes(8, "big"), _raw(["BlockStored", [-1], None, [], 16, None, None])])
+        await reports.until(lambda: bool(reports.problems))
+        assert reports.problems == [(ep.id, "bad_batch")] and len(index) == 0
+        await pub.send_multipart([b"t", (2).to_bytes(8, "big"), encode(stored(prompt(41)[:16]))])
+        await reports.until(lambda: len(reports.problems) > 1)
+        assert reports.problems[1] == (ep.id, "restart")  # the subscriber's own failure: restarted, not dead
+        assert matched(index, prompt(41)[:16]) == {}
+        await subscribed(pub)  # the restarted subscriber's socket
+        await pub.send_multipart([b"t", (3).to_bytes(8, "big"), encode(stored(prompt(42)[:16]))])
+        await reports.until(lambda: bool(matched(index, prompt(42)[:16])))
+        assert matched(index, prompt(42)[:16]) == {ep.id: 1} and calls["n"] == 2
     finally:
         await sub.close()
         pub.close(linger=0)
@@ -539,7 +552,7 @@ async def test_every_data_parallel_rank_is_subscribed() -> None:
     from kvflow.router import load_config
 
     ctx = zmq.asyncio.Context()
-    pubs = [ctx.socket(zmq.PUB) for _ in range(2)]
+    pubs = [ctx.socket(zmq.XPUB) for _ in range(2)]
     base = pubs[0].bind_to_random_port("tcp://127.0.0.1")
     try:
         pubs[1].bind(f"tcp://127.0.0.1:{base + 1}")
@@ -552,19 +565,20 @@ async def test_every_data_parallel_rank_is_subscribed() -> None:
     endpoint = Endpoint("127.0.0.1", 8000)
     assert config.kv_events_addresses(endpoint) == (f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}")
     index = PrefixIndex()
-    sub = KvEventSubscriber(index)
+    reports = Reports()
+    sub = reports.subscriber(index)
     sub.add(endpoint, config.kv_events_addresses(endpoint))
     rank0, rank1 = list(range(16)), list(range(100, 116))
     try:
-        for seq in range(1, 100):  # slow joiners: publish until both streams arrived
+        for pub in pubs:
+            await subscribed(pub)
+        for seq in (1, 2):
             for rank, (pub, tokens) in enumerate(zip(pubs, (rank0, rank1))):
                 batch = msgspec.msgpack.encode(_Batch(ts=1.0, events=[stored(tokens)], data_parallel_rank=rank))
                 # Both ranks count their own sequence: read as one stream, rank 1's would look
                 # like a restart of rank 0's and wipe the pod's blocks.
                 await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), batch])
-            await asyncio.sleep(0.02)
-            if index.blocks_of(endpoint.id) >= 2:
-                break
+        await reports.until(lambda: set(sub.last_seq.values()) == {2} and len(sub.last_seq) == 2)
         assert index.blocks_of(endpoint.id) == 2  # both ranks' blocks, neither taken for a restart
         assert set(sub.last_seq) == {endpoint.id, f"{endpoint.id}#1"}
     finally:
