@@ -16,7 +16,7 @@ from kvflow.hashing import hash_request_tokens, to_external
 from kvflow.router import Router, SchedulingRequest, load_config
 from kvflow.protocol.kv_events import AllBlocksCleared, BadEvent, BlockRemoved, BlockStored, decode_batch, decode_runs
 from kvflow.router.kv_events import KvEventSubscriber, apply, stored_fingerprints
-from kvflow.router.prefix_index import PrefixIndex
+from kvflow.router.prefix_index import PrefixIndex, SpeculativeIndex
 from kvflow.endpoints import Endpoint, EndpointId
 
 
@@ -97,9 +97,50 @@ def test_apply_keeps_index_in_step() -> None:
     assert len(index) == 0 and index.fingerprint_of(1) is None
 
 
-async def test_a_batch_of_per_block_removals_applies_as_the_events_one_by_one_and_is_counted_per_type() -> None:
-    from kvflow.router.prefix_index import SpeculativeIndex
+def publisher(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, int]:
+    """A pod's publisher that hears subscriptions (XPUB, which a SUB socket cannot tell from PUB):
+    what it sends once one has arrived reaches that subscriber."""
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a subscriber's restart's too
+    return pub, pub.bind_to_random_port("tcp://127.0.0.1")
 
+
+async def subscribed(pub: zmq.asyncio.Socket) -> None:
+    """Until a subscriber's subscription reaches ``pub``."""
+    async with asyncio.timeout(5):
+        while not (await pub.recv()).startswith(b"\x01"):
+            pass  # an unsubscription (a subscriber that went away)
+
+
+class Reports:
+    """What a ``KvEventSubscriber`` reports as it goes: each applied batch (``on_event``) and
+    each problem (``on_problem``); a test waits on them instead of polling the index."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int]] = []
+        self.problems: list[tuple[str, str]] = []
+        self.heard = asyncio.Event()
+
+    def event(self, endpoint: EndpointId, kind: str, n: int) -> None:
+        self.events.append((endpoint, kind, n))
+        self.heard.set()
+
+    def problem(self, endpoint: EndpointId, kind: str) -> None:
+        self.problems.append((endpoint, kind))
+        self.heard.set()
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Until ``predicate`` holds, checked again at each report."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self.heard.clear()
+                await self.heard.wait()
+
+    def subscriber(self, index: PrefixIndex, speculative: SpeculativeIndex | None = None) -> KvEventSubscriber:
+        return KvEventSubscriber(index, on_event=self.event, on_problem=self.problem, speculative=speculative)
+
+
+async def test_a_batch_of_per_block_removals_applies_as_the_events_one_by_one_and_is_counted_per_type() -> None:
     a, b = prompt(3), prompt(4)
     a_hashes = [to_external(h) for h in hash_request_tokens(a, 16)]
     b_hashes = [to_external(h) for h in hash_request_tokens(b, 16)]
@@ -113,16 +154,23 @@ async def test_a_batch_of_per_block_removals_applies_as_the_events_one_by_one_an
     guess.add("a:1", [*index.fingerprinter.prompt(a).all(), *index.fingerprinter.prompt(b).all()], 0.0)
     for raw in batch:  # the reference: each event on its own
         apply(reference, "a:1", decode_batch(encode(raw)), reference_guess)
-    counted: list[tuple[str, str, int]] = []
-    sub = KvEventSubscriber(index, on_event=lambda eid, kind, n: counted.append((eid, kind, n)), speculative=guess)
+    ctx = zmq.asyncio.Context()
+    pub, port = publisher(ctx)
+    reports = Reports()
+    sub = reports.subscriber(index, speculative=guess)
+    sub.add(Endpoint("a", 1), f"tcp://127.0.0.1:{port}")
     try:
-        await sub._handle(EndpointId("a:1"), 1, encode(*batch))
+        await subscribed(pub)
+        await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), encode(*batch)])
+        await reports.until(lambda: len(reports.events) == 2)  # one report per event type
+        assert len(guess) == len(reference_guess) == 0  # every guess was spoken of by an event
+        assert matched(index, a) == matched(reference, a) == {"a:1": 3}  # stored again after its removal
+        assert matched(index, b) == matched(reference, b) == {"a:1": 1}  # all but its first block removed
+        assert sorted(reports.events) == [("a:1", "BlockRemoved", 6), ("a:1", "BlockStored", 3)]
     finally:
         await sub.close()
-    assert len(guess) == len(reference_guess) == 0  # every guess was spoken of by an event
-    assert matched(index, a) == matched(reference, a) == {"a:1": 3}  # stored again after its removal
-    assert matched(index, b) == matched(reference, b) == {"a:1": 1}  # all but its first block removed
-    assert sorted(counted) == [("a:1", "BlockRemoved", 6), ("a:1", "BlockStored", 3)]
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 def test_a_long_batch_applied_in_slices_stores_and_removes_what_it_does_whole() -> None:
@@ -164,20 +212,31 @@ async def test_a_long_batch_lets_the_event_loop_turn_while_it_is_applied() -> No
     behind all of them: another task runs between slices."""
     tokens = prompt(8 * kv_events.SLICE_BLOCKS)
     index = PrefixIndex()
-    sub = KvEventSubscriber(index)
+    ctx = zmq.asyncio.Context()
+    pub, port = publisher(ctx)
+    reports = Reports()
+    sub = reports.subscriber(index)
+    sub.add(Endpoint("a", 1), f"tcp://127.0.0.1:{port}")
     seen: list[int] = []
 
     async def relay() -> None:
-        seen.append(len(index))
+        """Another task: it notes the index at each turn of the loop until the batch is reported."""
+        while not reports.events:
+            seen.append(len(index))
+            await asyncio.sleep(0)
 
     try:
-        handling = asyncio.ensure_future(sub._handle(EndpointId("a:1"), 1, encode(stored(tokens))))
+        await subscribed(pub)
         other = asyncio.ensure_future(relay())
-        await asyncio.gather(handling, other)
+        await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), encode(stored(tokens))])
+        async with asyncio.timeout(5):
+            await other
+        assert [n for n in seen if 0 < n < 8 * kv_events.SLICE_BLOCKS]  # it ran when part of the batch was applied
+        assert matched(index, tokens) == {"a:1": 8 * kv_events.SLICE_BLOCKS}  # and then all of it was
     finally:
         await sub.close()
-    assert 0 < seen[0] < 8 * kv_events.SLICE_BLOCKS  # it ran when part of the batch was applied
-    assert matched(index, tokens) == {"a:1": 8 * kv_events.SLICE_BLOCKS}  # and then all of it was
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 def test_blocks_whose_parent_was_never_heard_of_are_skipped_and_counted() -> None:
@@ -192,16 +251,23 @@ def test_blocks_whose_parent_was_never_heard_of_are_skipped_and_counted() -> Non
 
 
 async def test_the_subscriber_counts_stored_blocks_it_could_not_key() -> None:
-    problems: list[tuple[str, str]] = []
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, on_problem=lambda eid, kind: problems.append((eid, kind)))
+    ctx = zmq.asyncio.Context()
+    pub, port = publisher(ctx)
+    reports = Reports()
+    sub = reports.subscriber(index)
+    sub.add(Endpoint("a", 1), f"tcp://127.0.0.1:{port}")
     orphan = stored(prompt(2))
     orphan.parent_block_hash = 12345  # its parent's BlockStored never arrived
     try:
-        await sub._handle(EndpointId("a:1"), 1, encode(orphan, stored(prompt(1))))
+        await subscribed(pub)
+        await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), encode(orphan, stored(prompt(1)))])
+        await reports.until(lambda: bool(reports.events))
+        assert reports.problems == [("a:1", "unchained")] and matched(index, prompt(1)) == {"a:1": 1}
     finally:
         await sub.close()
-    assert problems == [("a:1", "unchained")] and matched(index, prompt(1)) == {"a:1": 1}
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 def test_removing_hashes_the_router_does_not_know_changes_nothing() -> None:
@@ -236,47 +302,6 @@ def test_another_hash_of_the_same_block_also_translates() -> None:
     apply(index, "a:1", [BlockRemoved((1, 2))])
     apply(index, "b:1", [BlockRemoved((11,))])
     assert len(index) == 0 and [index.fingerprint_of(h) for h in (1, 2, 11, 12)] == [None] * 4
-
-
-def publisher(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, int]:
-    """A pod's publisher that hears subscriptions (XPUB, which a SUB socket cannot tell from PUB):
-    what it sends once one has arrived reaches that subscriber."""
-    pub = ctx.socket(zmq.XPUB)
-    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a subscriber's restart's too
-    return pub, pub.bind_to_random_port("tcp://127.0.0.1")
-
-
-async def subscribed(pub: zmq.asyncio.Socket) -> None:
-    """Until a subscriber's subscription reaches ``pub``."""
-    async with asyncio.timeout(5):
-        while not (await pub.recv()).startswith(b"\x01"):
-            pass  # an unsubscription (a subscriber that went away)
-
-
-class Reports:
-    """What a ``KvEventSubscriber`` reports as it goes: each applied batch (``on_event``) and
-    each problem (``on_problem``); a test waits on them instead of polling the index."""
-
-    def __init__(self) -> None:
-        self.problems: list[tuple[str, str]] = []
-        self.heard = asyncio.Event()
-
-    def event(self, endpoint: EndpointId, kind: str, n: int) -> None:
-        self.heard.set()
-
-    def problem(self, endpoint: EndpointId, kind: str) -> None:
-        self.problems.append((endpoint, kind))
-        self.heard.set()
-
-    async def until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-        """Until ``predicate`` holds, checked again at each report."""
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self.heard.clear()
-                await self.heard.wait()
-
-    def subscriber(self, index: PrefixIndex) -> KvEventSubscriber:
-        return KvEventSubscriber(index, on_event=self.event, on_problem=self.problem)
 
 
 async def test_subscriber_over_zmq_and_restart_detection() -> None:
