@@ -16,8 +16,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from kvflow import openai_api
 from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, NoCapacityError, from_exception
 from kvflow.gateway.accesslog import AccessLog
@@ -206,16 +204,12 @@ class Gateway:
             pool.metrics.inflight.set(pool.gate.queue.inflight)
             pool.metrics.queued.set(pool.gate.queue.waiting)
             pool.metrics.held.set(pool.hold.held if pool.hold is not None else 0)
-            refresh = getattr(pool.router, "refresh_gauges", None)  # the router's routable pods, in flight
-            if refresh is not None:
-                refresh()
+            pool.router.refresh_gauges()  # the router's routable pods, in flight
         for model, n in getattr(getattr(self.batch_service, "runner", None), "inflight", {}).items():
             self.metrics.batch_in_flight.labels(model).set(n)
-        routers = [getattr(getattr(p.router, "metrics", None), "registry", None) for p in self.pools.values()]
         if self.http is not None:
             self.metrics.http_refusals = self.http.counts
-        body = self.metrics.render(r for r in routers if isinstance(r, CollectorRegistry))
-        out.send(200, body, [("Content-Type", CONTENT_TYPE)])
+        out.send(200, self.metrics.render(), [("Content-Type", CONTENT_TYPE)])
 
     # --- what the gateway is doing: kvflow.router.status_api and .dashboard --------------
 
@@ -358,4 +352,6 @@ def build_gateway(config: GatewayConfig, auth: Authenticator,
     holds = {p.model: p.hold_when_empty_seconds for p in config.pools}
     pools = {model: build_pool(model, router, config.flow, metrics, holds.get(model, 0.0))
              for model, router in chosen.items()}
+    for router in chosen.values():
+        metrics.join(router.metrics.registry)
     return Gateway(config, pools, auth, metrics, Upstream(config.timeouts)), chosen

@@ -1,19 +1,21 @@
-"""The gateway's Prometheus metrics, on the fast exposition path the simulator uses.
+"""The gateway's Prometheus metrics: one ``kvflow.exposition`` registry behind ``/metrics``.
 
-The families are ``kvflow.exposition``'s: an observation is a ``bisect`` or an addition on
-a child looked up once per model (no per-sample lock or label resolution on the hot path), and
-``/metrics`` renders from prefixes written when each series was created. The same families are a
-prometheus_client collector, and ``tests/gateway/test_metrics.py`` checks that
-``generate_latest`` renders them byte for byte as the fast path does. One ``GatewayMetrics`` per
-gateway (tests run several in one process); ``render`` adds the pool routers' registries.
+The gateway's own families are ``kvflow.exposition``'s, the fast path the simulator uses: an
+observation is a ``bisect`` or an addition on a child looked up once per model (no per-sample
+lock or label resolution on the hot path), and a render formats only numbers, from prefixes
+written when each series was created. The pool routers' families (``kvflow.router``'s, on
+prometheus_client, which the standalone router serves too) join the same registry as one
+collector (``join``), merged family by family; the registry renders that part with
+``generate_latest``. The registry is a prometheus_client collector as a whole, and
+``tests/gateway/test_metrics.py`` checks that ``generate_latest`` renders it byte for byte as the
+fast path does. One ``GatewayMetrics`` per gateway (tests run several in one process).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from prometheus_client import CollectorRegistry, Metric, generate_latest
+from prometheus_client import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from kvflow.exposition import Counter, Gauge, GaugeChild, Histogram, HistogramChild, Registry
 
@@ -66,6 +68,8 @@ class GatewayMetrics:
         """The HTTP server's own counts (connections closed and requests refused by its limits, by
         reason), read into ``kvflow_gateway_http_refusals`` when rendered."""
         self._models: dict[str, ModelMetrics] = {}
+        self._routers = RouterFamilies()
+        r.register(self._routers)  # after the gateway's own families
 
     def model(self, name: str) -> ModelMetrics:
         found = self._models.get(name)
@@ -79,23 +83,24 @@ class GatewayMetrics:
     def count(counter: Counter, *labels: str) -> None:
         counter.labels(*labels).inc()
 
-    def render(self, others: Iterable[CollectorRegistry] = ()) -> bytes:
-        """This gateway's metrics and, merged family by family, those of ``others`` (the routers')."""
+    def join(self, router: Collector) -> None:
+        """Render a pool router's families with the gateway's (``PoolRouter.metrics.registry``)."""
+        self._routers.registries.append(router)
+
+    def render(self) -> bytes:
         for reason, n in self.http_refusals.items():  # the server's own counts, which only grow
             child = self._refusals.labels(reason)
             if n > child.value:
                 child.inc(n - child.value)
-        routers = list(others)
-        body = self.registry.render().encode()
-        return body + generate_latest(_Merged(routers)) if routers else body
+        return self.registry.render().encode()
 
 
-class _Merged:
-    """Several registries as one: families of the same name (one per pool's router) are joined,
-    since the exposition format allows each family once."""
+class RouterFamilies:
+    """The pool routers' registries as one collector: families of the same name (one per pool's
+    router) are joined, since the exposition format allows each family once."""
 
-    def __init__(self, registries: list[CollectorRegistry]) -> None:
-        self.registries = registries
+    def __init__(self) -> None:
+        self.registries: list[Collector] = []
 
     def collect(self) -> list[Metric]:
         families: dict[str, Metric] = {}

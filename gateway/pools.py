@@ -15,6 +15,7 @@ from kvflow.gateway.metrics import GatewayMetrics, ModelMetrics
 from kvflow.router.datastore import Datastore
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingRequest, SchedulingResult
+from kvflow.router.observability import RouterMetrics
 from kvflow.endpoints import Endpoint
 from kvflow.tokenizer import Tokenizer
 
@@ -45,6 +46,13 @@ class PoolRouter(Protocol):
 
     @property
     def endpoints(self) -> Sequence[Endpoint]: ...
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        """The router's families; the gateway renders ``metrics.registry`` on its /metrics."""
+
+    def refresh_gauges(self) -> None:
+        """Set the gauges read when scraped (per-pod in flight, routable)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from kvflow.router.model import SchedulingRequest, SchedulingResult
+from kvflow.router.observability import RouterMetrics
 from kvflow.endpoints import Endpoint
 from kvflow.tokenizer import BuiltinTokenizer
 
@@ -30,6 +31,7 @@ class ScriptedRouter:
     flights: list[tuple[str, list[str]]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     scheduled: list[SchedulingRequest] = field(default_factory=list)
+    metrics: RouterMetrics = field(default_factory=lambda: RouterMetrics("scripted"))
     _n: int = 0
 
     async def start(self) -> None: ...
@@ -66,6 +68,9 @@ class ScriptedRouter:
     @property
     def endpoints(self) -> Sequence[Endpoint]:
         return self.targets
+
+    def refresh_gauges(self) -> None:
+        self.metrics.in_flight.labels(self.metrics.pool, "scripted").set(len(self.started) - len(self.finished))
 
 
 @dataclass

@@ -1,21 +1,26 @@
-"""/metrics joins the gateway's families with every pool router's, each family once."""
+"""/metrics: one registry with the gateway's families and every pool router's, each family once."""
 
 from __future__ import annotations
 
+import aiohttp
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from kvflow.gateway.metrics import GatewayMetrics
+from kvflow.endpoints import Endpoint
+from kvflow.gateway.config import GatewayConfig
+from kvflow.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kvflow.gateway.server import start_gateway
+from kvflow.router.observability import RouterMetrics
+from tests.gateway.fakes import ScriptedRouter
 
 
 def test_router_registries_merge_family_by_family() -> None:
     gateway = GatewayMetrics()
     gateway.count(gateway.requests, "m", "200")
-    routers = []
     for pool, n in (("a", 1), ("b", 3)):
         registry = CollectorRegistry()
         Counter("kvflow_router_decisions", "Decisions", ["pool"], registry=registry).labels(pool).inc(n)
-        routers.append(registry)
-    lines = gateway.render(routers).decode().splitlines()
+        gateway.join(registry)
+    lines = gateway.render().decode().splitlines()
     assert lines.count("# TYPE kvflow_router_decisions_total counter") == 1
     assert 'kvflow_router_decisions_total{pool="a"} 1.0' in lines
     assert 'kvflow_router_decisions_total{pool="b"} 3.0' in lines
@@ -55,3 +60,40 @@ def test_the_fast_render_is_generate_latest_byte_for_byte() -> None:
     assert 'kvflow_gateway_http_refusals_total{reason="write_timeout"} 2.0' in fast.decode().splitlines()
     metrics.http_refusals = {"write_timeout": 5}
     assert 'kvflow_gateway_http_refusals_total{reason="write_timeout"} 5.0' in metrics.render().decode().splitlines()
+
+
+def test_a_joined_router_renders_on_the_same_registry_as_generate_latest_would() -> None:
+    metrics = GatewayMetrics()
+    metrics.count(metrics.requests, "m", "200")
+    router = RouterMetrics("pool-a")
+    router.prompt_tokens.labels("pool-a").inc(5)
+    router.in_flight.labels("pool-a", "10.0.0.1:8000").set(2)
+    metrics.join(router.registry)
+    fast = metrics.render()
+    reference = CollectorRegistry(auto_describe=False)
+    reference.register(metrics.registry)
+    assert fast == generate_latest(reference)
+    lines = fast.decode().splitlines()
+    assert 'kvflow_router_prompt_tokens_total{pool="pool-a"} 5.0' in lines
+    assert 'kvflow_router_endpoint_in_flight{endpoint="10.0.0.1:8000",pool="pool-a"} 2.0' in lines
+    assert lines.index('kvflow_gateway_requests_total{model="m",status="200"} 1.0') < lines.index(
+        'kvflow_router_prompt_tokens_total{pool="pool-a"} 5.0')
+
+
+async def test_the_gateway_metrics_route_refreshes_and_renders_each_pool_router() -> None:
+    routers = {"a": ScriptedRouter([Endpoint("127.0.0.2", 1)], metrics=RouterMetrics("a")),
+               "b": ScriptedRouter([Endpoint("127.0.0.3", 1)], metrics=RouterMetrics("b"))}
+    routers["a"].started.extend(["r1", "r2"])  # two requests in flight on a's pod, none on b's
+    config = GatewayConfig.model_validate({"host": "127.0.0.1", "port": 0,
+                                           "pools": [{"model": m, "endpoints": ["127.0.0.9:1"]} for m in routers]})
+    running = await start_gateway(config, routers)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{running.port}/metrics") as r:
+                assert r.status == 200 and r.headers["content-type"] == CONTENT_TYPE
+                lines = (await r.text()).splitlines()
+    finally:
+        await running.close()
+    assert lines.count("# TYPE kvflow_router_endpoint_in_flight gauge") == 1
+    assert 'kvflow_router_endpoint_in_flight{endpoint="scripted",pool="a"} 2.0' in lines
+    assert 'kvflow_router_endpoint_in_flight{endpoint="scripted",pool="b"} 0.0' in lines
