@@ -123,6 +123,8 @@ class FakePod:
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0
+    was_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a stream it was sending is cancelled (the gateway went away)."""
     endpoint: Endpoint | None = None
     runner: web.AppRunner | None = None
 
@@ -167,6 +169,7 @@ class FakePod:
             await out.write(b"data: [DONE]\n\n")
         except asyncio.CancelledError:
             self.cancelled += 1
+            self.was_cancelled.set()
             raise
         return out
 
