@@ -48,7 +48,7 @@ class FakeEngines:
         await self._runner.setup()
         first = aiohttp.web.TCPSite(self._runner, self.ips[0], 0)
         await first.start()
-        self.port = first._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self._runner.addresses[0][1]  # the port the OS chose
         for ip in self.ips[1:]:
             await aiohttp.web.TCPSite(self._runner, ip, self.port).start()
         return self
