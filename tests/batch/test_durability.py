@@ -18,6 +18,7 @@ import openai
 
 from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPodFactory
+from tests.pids import wait_exited
 
 MODEL = "sim-model"
 
@@ -107,10 +108,8 @@ def test_a_batch_survives_sigkill_of_the_whole_stack_and_answers_each_line_once(
             os.kill(pid, signal.SIGKILL)
         stack.wait(timeout=10)
         close_output(stack)
-        deadline = time.monotonic() + 10
-        while any(pids_with(marker) for marker in (f"--port {pod_port} ", f"--port {gw} ")):
-            assert time.monotonic() < deadline, "killed processes are still there"
-            time.sleep(0.05)
+        wait_exited(victims[1:], 10)  # the stack itself is reaped
+        assert not any(pids_with(marker) for marker in (f"--port {pod_port} ", f"--port {gw} "))
         assert before.status == "in_progress" and before.request_counts.completed < n
 
         stack = start_up(argv)  # the same command again

@@ -14,20 +14,7 @@ from pathlib import Path
 
 import pytest
 from kvflow.local.procs import free_port
-
-
-def pids_with(text: str) -> list[int]:
-    """Live processes whose command line contains ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and proc.name != str(os.getpid()):
-            try:
-                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in cmdline and "pytest" not in cmdline:
-                found.append(int(proc.name))
-    return found
+from tests.pids import pids_with, wait_exited
 
 
 def post(url: str, body: dict) -> bytes:
@@ -112,9 +99,7 @@ def test_sigterm_during_start_up_stops_what_has_started(tmp_path: Path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while pids_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_exited(pids_with(marker) + pids_with(f"127.0.0.1:{gw}"), 10)  # kvflow up is gone: none start now
     assert pids_with(marker) == [] and pids_with(f"127.0.0.1:{gw}") == []
     assert proc.returncode == 130  # interrupted, as Ctrl-C would, not killed by the signal
 
@@ -125,9 +110,7 @@ def test_sigterm_stops_every_child(tmp_path: Path):
     assert len(pids_with(marker)) == 2  # two simulated pods on that port, one per loopback address
     stop_stack(stack)
     assert stack.proc.returncode == 0
-    deadline = time.monotonic() + 10
-    while pids_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_exited(pids_with(marker) + pids_with(stack.url.rsplit(":", 1)[1]), 10)
     assert pids_with(marker) == [] and pids_with(stack.url.rsplit(":", 1)[1]) == []
 
 
