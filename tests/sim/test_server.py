@@ -123,19 +123,24 @@ def test_role_is_reported(sim_pods: Any) -> None:
 
 def test_sim_pods_with_kv_events_publish_on_a_socket_subscribers_connect_to(sim_pods: Any) -> None:
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     [pod] = sim_pods(1, "--profile", "instant", kv_events=True)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sub.connect(pod.kv_events)
     try:
-        time.sleep(0.3)  # the subscription reaches the bound publisher
+        # connected: the subscription goes out right after the handshake, long before the request below
+        assert monitor.poll(5000) and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        sub.disable_monitor()
         pod.post_json("/v1/completions", {"model": "sim-model", "prompt": list(range(40)), "max_tokens": 1})
         assert sub.poll(5000)
         topic, seq, _ = sub.recv_multipart()
         assert (topic, seq) == (f"kv@{pod.host}:{pod.port}".encode(), bytes(8))
     finally:
+        monitor.close(linger=0)
         sub.close(linger=0)
 
 
