@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NIXL   := nixl-cu12==1.5.1 nixl==1.5.1
 ARGS   ?=
 
-.PHONY: up test lint install bench clean image push chromium
+.PHONY: up test lint install bench clean image push chromium buildah
 
 $(STAMP): pyproject.toml setup.py kvflow/_native.c Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +22,18 @@ up: $(STAMP)
 	$(BIN)/kvflow up $(ARGS)
 
 ## Run the linters, then the test suite (conformance against real vLLM too with KVFLOW_REAL_VLLM=1).
-test: lint chromium
+test: lint chromium buildah
 	$(BIN)/python -m pytest $(ARGS)
 
 ## Debian's headless Chromium, which tests/stack/test_dashboard_browser.py drives with Playwright.
 chromium:
 	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
+## buildah and mmdebstrap, with which tests/image builds the image (`make image`) and runs its roles.
+buildah:
+	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q buildah mmdebstrap; }
 
 ## ruff, mypy (strict on the modules pyproject lists) and the import-linter contracts. mypy and
 ## import-linter read build/pkgview: the installed layout (kvflow.router, ...) linked to the sources.
