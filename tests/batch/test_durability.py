@@ -18,7 +18,7 @@ import openai
 
 from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPodFactory
-from tests.pids import wait_exited
+from tests.pids import pids_with, wait_exited
 
 MODEL = "sim-model"
 
@@ -62,19 +62,6 @@ def custom_ids(url: str, batch: Any) -> Counter[str]:
 def scrape(url: str, prefix: str) -> float:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
-
-
-def pids_with(text: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(int(proc.name))
-    return found
 
 
 def start_up(argv: list[str]) -> subprocess.Popen[str]:
