@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvflow import openai_api
 from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, NoCapacityError, from_exception
@@ -40,6 +40,9 @@ from kvflow.router.model import SchedulingResult
 from kvflow.router.request import PoolNames, scheduling_request, tokens_off_loop
 from kvflow.endpoints import Endpoint
 from kvflow.routing_headers import EXPLAIN, PRIORITY, strip_client_routing
+
+if TYPE_CHECKING:  # the Batch API's service is built on the gateway: named here for its type only
+    from kvflow.gateway.batch.service import BatchService
 
 log = logging.getLogger("kvflow.gateway")
 access_log = logging.getLogger("kvflow.gateway.access")
@@ -87,7 +90,7 @@ class Gateway:
         self.mounts: dict[str, Route] = {PAGE_PATH: self.dashboard}
         """Path prefixes served by a sub-application that checks methods itself (the Batch API)."""
         self.pod_stats = status_api.PodStats()
-        self.batch_service: Any = None
+        self.batch_service: BatchService | None = None
         """The Batch API's service, when enabled (its active batches are in the status API)."""
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -205,7 +208,8 @@ class Gateway:
             pool.metrics.queued.set(pool.gate.queue.waiting)
             pool.metrics.held.set(pool.hold.held if pool.hold is not None else 0)
             pool.router.refresh_gauges()  # the router's routable pods, in flight
-        for model, n in getattr(getattr(self.batch_service, "runner", None), "inflight", {}).items():
+        runner = self.batch_service.runner if self.batch_service is not None else None
+        for model, n in (runner.inflight if runner is not None else {}).items():
             self.metrics.batch_in_flight.labels(model).set(n)
         if self.http is not None:
             self.metrics.http_refusals = self.http.counts
