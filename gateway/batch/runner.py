@@ -116,8 +116,7 @@ class BatchRunner:
             except Exception:  # a database hiccup must not stop batches for good
                 log.exception("batch: control step failed; retrying")
             await asyncio.sleep(TICK)  # lines finishing wake this often: look at most every TICK
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_control.wait(), self.config.poll_s)
+            await _woken(self._wake_control, self.config.poll_s)
             self._wake_control.clear()
 
     async def _survey(self) -> None:
@@ -247,8 +246,7 @@ class BatchRunner:
             except Exception:  # a bug here must not stop every batch: say so and go on
                 log.exception("batch: dispatch step failed")
                 held_back = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_dispatch.wait(), TICK if held_back else None)
+            await _woken(self._wake_dispatch, TICK if held_back else None)
             self._wake_dispatch.clear()
 
     def _dispatch_step(self) -> bool:
@@ -362,6 +360,15 @@ class BatchRunner:
         except BaseException:
             self.results[:0] = results  # not written: keep them for the next try
             raise
+
+
+async def _woken(event: asyncio.Event, timeout: float | None) -> None:
+    """Until ``event`` is set or ``timeout`` passes. Not ``asyncio.wait_for``: on Python 3.11 it
+    drops a cancellation that arrives as the event is set, and these loops would then never stop
+    (the runner's ``stop`` waited forever when lines finished as it cancelled them)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
 
 
 def _request_id(claimed: Claimed) -> str:
