@@ -60,12 +60,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # tools, as vLLM
             group.start(f"sim{i}", argv, env={"PYTHONHASHSEED": "0"}, ready_url=f"http://{host}:{port}/health")
             pods.append(Endpoint(host, port))
-        # both routers: the same pool, and a profile that depends on nothing but what each has routed
+        # both routers: the same pool, and a profile that depends on nothing but what each has routed;
+        # the pods' adapters are declared, so neither router's choice waits on what it has scraped
         config = tmp / "router.yaml"
         config.write_text(yaml.safe_dump({
             "kvEvents": {"enabled": False},
             "loraPaths": {ADAPTER: f"/adapters/{ADAPTER}"},
-            "pool": {"model": MODEL, "endpoints": [{"address": p.id, "models": [MODEL]} for p in pods]},
+            "pool": {"model": MODEL, "endpoints": [{"address": p.id, "models": [MODEL, ADAPTER]} for p in pods]},
             "schedulingProfiles": [{"name": "parity", "plugins": [
                 {"pluginRef": "model-filter"}, {"pluginRef": "prefix-approx", "weight": 1}, {"pluginRef": "max-score"},
             ]}],
