@@ -110,7 +110,7 @@ class FakeDeploymentController:
     async def _loop(self) -> None:
         while True:
             await self.step()
-            await asyncio.sleep(self.tick)
+            await asyncio.sleep(self.tick)  # a controller's resync period: a rollout takes time to go out
 
     def _settled(self, dep: dict[str, Any]) -> bool:
         status = dep.get("status") or {}

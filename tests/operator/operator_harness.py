@@ -1,4 +1,5 @@
-"""The handle the operator's end-to-end tests get, and their one waiting helper."""
+"""The handle the operator's end-to-end tests get; they wait with the suite's ``eventually``
+(``tests/waiting.py``), re-exported here for them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import kmock
@@ -17,6 +18,9 @@ from operator_fakes import FakeDeploymentController, FakeEngines
 
 from kvflow.operator.handlers import register
 from kvflow.operator.reconcile import OperatorConfig, Runtime
+from tests.waiting import eventually
+
+__all__ = ["CLOCK_SPEEDUP", "Harness", "eventually", "operator_running"]
 
 CLOCK_SPEEDUP = 20.0  # the operator's lifecycle clock runs 20x: stuckAfterSeconds 10 -> 0.5 s
 
@@ -35,18 +39,6 @@ class Harness:
         async with self.server.client.request(method, path, json=body, headers=headers) as response:
             assert response.status < 400, await response.text()
             return await response.json()
-
-
-async def eventually(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` otherwise."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what or predicate}")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
