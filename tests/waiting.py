@@ -26,7 +26,7 @@ POLL_S = 0.02
 process does not load the machine the test is measuring."""
 
 
-async def eventually(predicate: Callable[[], T | Awaitable[T]], timeout: float = 15.0, what: str = "") -> T:
+async def eventually(predicate: Callable[[], T | Awaitable[T]], timeout: float = 20.0, what: str = "") -> T:
     """Until ``predicate()`` (awaited, when it returns an awaitable) is truthy: that value."""
     deadline = time.monotonic() + timeout
     while True:
@@ -40,7 +40,7 @@ async def eventually(predicate: Callable[[], T | Awaitable[T]], timeout: float =
         await asyncio.sleep(POLL_S)
 
 
-def eventually_blocking(predicate: Callable[[], T], timeout: float = 15.0, what: str = "") -> T:
+def eventually_blocking(predicate: Callable[[], T], timeout: float = 20.0, what: str = "") -> T:
     """``eventually`` for a test that is no coroutine (its I/O blocks: ``urllib``, ``/proc``)."""
     deadline = time.monotonic() + timeout
     while True:

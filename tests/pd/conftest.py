@@ -2,16 +2,14 @@
 
 The pods of one test share a ``FakeClock`` that moves only when the test moves it (``clock``):
 leases and heartbeats happen when the test says. The bytes, handshakes and notifications between
-pods are real NIXL and ZMQ I/O on other threads, which no clock controls: ``eventually`` waits for
-their effects.
+pods are real NIXL and ZMQ I/O on other threads, which no clock controls: the tests wait for
+their effects with ``tests/waiting.py``'s ``eventually``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -45,15 +43,6 @@ class FakeHost:
 
     def unpin(self, request_id: str) -> None:
         self.unpinned.append(request_id)
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Wait until ``predicate()`` holds, for what real I/O on another thread brings about (NIXL's
-    calls took 0.5 s each under the whole suite's load; 5 s once ran out waiting for a heartbeat)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.002)
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ from kvflow.sim.nixl import NixlTransfer
 from kvflow.sim.nixl.heartbeats import EngineLeases, Heartbeats
 from kvflow.sim.nixl.notifications import heartbeat_ids, heartbeat_message
 from kvflow.sim.profiles import PROFILES
-from tests.pd.conftest import eventually as until
 from tests.sim.helpers import make_request, make_scheduler
+from tests.waiting import eventually
 
 PIN_S = 0.75  # heartbeat interval 0.125 s, lease extension 0.5 s
 INTERVAL = PIN_S / 6
@@ -242,7 +242,7 @@ async def test_params_the_engine_cannot_parse_are_not_tracked_and_prefill_locall
 
 async def beats_received(prefill: Any, count: int) -> None:
     """Wait until the prefill pod has taken in ``count`` heartbeats (real NIXL notifications)."""
-    await until(lambda: sample(prefill.metrics.heartbeats_received) == count)
+    await eventually(lambda: sample(prefill.metrics.heartbeats_received) == count)
 
 
 async def beats_landed(prefill: Any, decode: Any, count: int) -> None:
@@ -250,7 +250,7 @@ async def beats_landed(prefill: Any, decode: Any, count: int) -> None:
     returned: a round that starts while a send is still in flight skips that engine, so the clock
     may step only after this (a NIXL call took 0.43 s once under the whole suite's load)."""
     await beats_received(prefill, count)
-    await until(lambda: sample(decode.metrics.heartbeats_sent["ok"]) == count and not decode.heartbeats.in_flight)
+    await eventually(lambda: sample(decode.metrics.heartbeats_sent["ok"]) == count and not decode.heartbeats.in_flight)
 
 
 @needs_nixl
@@ -272,7 +272,7 @@ async def test_heartbeats_keep_a_pin_alive_past_its_timeout_until_the_done_notif
     result = await decode.pull(params, [7], TOKENS)
     decode.untrack("local-1")
     assert result.ok
-    await until(lambda: p_host.unpinned == ["req-1"])
+    await eventually(lambda: p_host.unpinned == ["req-1"])
     assert sample(prefill.metrics.released["notified"]) == 1
     assert sample(prefill.metrics.expired) == 0
     assert sample(decode.metrics.handshakes["ok"]) == 1  # the pull used the heartbeats' handshake
@@ -288,7 +288,7 @@ async def test_without_heartbeats_a_pin_expires_after_its_timeout(nixl_pods: Any
     await asyncio.sleep(0)  # whatever the clock woke runs now
     assert p_host.unpinned == []
     clock.advance(INTERVAL)
-    await until(lambda: p_host.unpinned == ["req-1"])
+    await eventually(lambda: p_host.unpinned == ["req-1"])
 
     assert sample(prefill.metrics.expired) == 1
     assert sample(prefill.metrics.heartbeats_received) == 0
@@ -341,7 +341,7 @@ async def test_once_untracked_no_more_heartbeats_are_sent_and_the_pin_expires(ni
     await asyncio.sleep(0)  # whatever the clock woke runs now
     assert p_host.unpinned == []
     clock.advance(INTERVAL)  # the last extension runs out
-    await until(lambda: p_host.unpinned == ["req-1"])
+    await eventually(lambda: p_host.unpinned == ["req-1"])
 
     assert sample(prefill.metrics.expired) == 1
     assert sample(decode.metrics.heartbeats_sent["ok"]) == 5
@@ -354,9 +354,9 @@ async def test_a_heartbeat_to_an_unreachable_engine_is_counted_not_raised(nixl_p
     decode.track("local-1", KvTransferParams.from_wire(address("prefill-gone", "req-1",
                                                                port=decode.side_channel_port + 1)))
 
-    await until(lambda: sample(decode.metrics.heartbeats_sent["failed"]) == 1 and not decode.heartbeats.in_flight)
+    await eventually(lambda: sample(decode.metrics.heartbeats_sent["failed"]) == 1 and not decode.heartbeats.in_flight)
     clock.advance(INTERVAL)
-    await until(lambda: sample(decode.metrics.heartbeats_sent["failed"]) == 2)
+    await eventually(lambda: sample(decode.metrics.heartbeats_sent["failed"]) == 2)
 
     assert sample(decode.metrics.heartbeats_sent["ok"]) == 0
     assert sample(decode.metrics.handshakes["failed"]) == 2

@@ -13,7 +13,7 @@ pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl
 from kvflow.protocol.kv_transfer import KvTransferParams
 from kvflow.sim.clock import FakeClock
 from kvflow.sim.nixl.layout import block_digests, mismatched_blocks
-from tests.pd.conftest import eventually as until
+from tests.waiting import eventually
 
 TOKENS = list(range(100, 140))  # 40 tokens: 3 blocks of 16, the last one partial
 
@@ -50,7 +50,7 @@ async def test_a_pull_reads_exactly_what_prefill_wrote_then_frees_it(nixl_pods: 
     assert result.seconds > 0
     assert mismatched_blocks(decode.agent.regions, [7, 8, 9], block_digests(TOKENS, 16)) == []
     assert not decode.agent.regions[:, [3, 4, 5, 6, 10]].any()  # nothing else was written
-    await until(lambda: p_host.unpinned == ["req-1"])
+    await eventually(lambda: p_host.unpinned == ["req-1"])
     assert sample(prefill.metrics.released["notified"]) == 1
     assert hist_count(decode.metrics.xfer_time) == 1
     assert decode.metrics.bytes.sum == 3 * 4096
@@ -67,7 +67,7 @@ async def test_blocks_cached_on_decode_are_not_pulled(nixl_pods: Any) -> None:
 
     assert (result.ok, result.nbytes) == (True, 4096)
     assert mismatched_blocks(decode.agent.regions, [9], block_digests(TOKENS, 16)[2:]) == []
-    await until(lambda: p_host.unpinned == ["req-1"])
+    await eventually(lambda: p_host.unpinned == ["req-1"])
 
 
 async def test_concurrent_pulls_share_one_handshake(nixl_pods: Any) -> None:
@@ -83,7 +83,7 @@ async def test_concurrent_pulls_share_one_handshake(nixl_pods: Any) -> None:
     assert [r.ok for r in results] == [True] * 8
     assert sample(decode.metrics.handshakes["ok"]) == 1
     assert sample(decode.metrics.blocks_verified) == 24
-    await until(lambda: sorted(p_host.unpinned) == sorted(prompts))
+    await eventually(lambda: sorted(p_host.unpinned) == sorted(prompts))
 
 
 async def test_a_pull_from_a_pod_nobody_answers_falls_back(nixl_pods: Any) -> None:
@@ -134,12 +134,12 @@ async def test_pinned_blocks_expire_and_a_late_notification_is_counted(nixl_pods
     await asyncio.sleep(0)  # whatever the clock woke runs now
     assert p_host.unpinned == []
     clock.advance(0.001)
-    await until(lambda: p_host.unpinned == ["req-1"])
+    await eventually(lambda: p_host.unpinned == ["req-1"])
 
     result = await decode.pull(params, [7], TOKENS[:16])  # nothing reused the block yet: still right
 
     assert result.ok
-    await until(lambda: sample(prefill.metrics.late_notifications) == 1)
+    await eventually(lambda: sample(prefill.metrics.late_notifications) == 1)
     assert sample(prefill.metrics.released["expired"]) == 1
     assert sample(prefill.metrics.expired) == 1
     assert p_host.unpinned == ["req-1"]

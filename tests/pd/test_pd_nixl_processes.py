@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ pytest.importorskip("nixl._api", reason="nixl is not installed (pip install nixl
 
 from kvflow.local.procs import ProcessGroup
 from tests.pd.pods import decode, metrics, prefill, start_pod
+from tests.waiting import eventually
 
 BLOCK = 16
 
@@ -56,10 +56,13 @@ async def test_concurrent_pd_requests_pull_exactly_the_blocks_prefill_wrote(grou
 
         done = await asyncio.gather(*(one(i) for i in range(n)))
         got = [await metrics(session, d) for d in decoders]
-        deadline = time.monotonic() + 5  # the last done notifications are still on their way
-        while (prefilled := await metrics(session, p))["kvflow_sim:nixl_pinned_exports"] and \
-                time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+
+        async def released() -> dict[str, float] | None:
+            now = await metrics(session, p)
+            return None if now["kvflow_sim:nixl_pinned_exports"] else now
+
+        # the last done notifications are still on their way
+        prefilled = await eventually(released, timeout=5, what="the prefill pod to release every export")
 
     for k, m in enumerate(got):
         expected_blocks = sum(b for pod, b in done if pod == k)
