@@ -10,6 +10,7 @@ from kvflow.router import Router, load_config
 from kvflow.router.datastore import Datastore
 from kvflow.router.model import EngineMetrics, LoadCounter
 from kvflow.endpoints import Endpoint
+from tests.waiting import eventually
 
 A, B = Endpoint("127.0.0.2", 8000), Endpoint("127.0.0.3", 8000)
 
@@ -96,14 +97,6 @@ def test_prefill_queue_drains_at_the_pod_rate_and_ends_at_a_first_token() -> Non
     assert counter.mean_work == 1000 / 3
 
 
-async def _until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
 async def test_scraped_pod_drops_out_and_comes_back(tmp_path: Path) -> None:
     host = "127.0.0.90"
     port = free_port(host)
@@ -120,11 +113,12 @@ async def test_scraped_pod_drops_out_and_comes_back(tmp_path: Path) -> None:
                 view = router.datastore.view(live.id)
                 return view is not None and view.metrics.num_blocks is not None  # from vllm:cache_config_info
 
-            assert await _until(lambda: healthy(router.datastore) == {live.id: True, dead.id: False} and scraped())
+            await eventually(lambda: healthy(router.datastore) == {live.id: True, dead.id: False} and scraped(),
+                             what="the live pod scraped, the dead one out")
             group.stop(sim)
-            assert await _until(lambda: not healthy(router.datastore)[live.id])
+            await eventually(lambda: not healthy(router.datastore)[live.id], what="the stopped pod out")
             group.start("sim-again", argv, ready_url=f"http://{host}:{port}/health")
             await asyncio.to_thread(group.wait_ready, 30, [group.children[-1]])
-            assert await _until(lambda: healthy(router.datastore)[live.id])
+            await eventually(lambda: healthy(router.datastore)[live.id], what="the restarted pod back")
         finally:
             await router.stop()

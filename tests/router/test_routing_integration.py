@@ -18,6 +18,7 @@ from kvbench.pods import Pod, reset, router_config, start_pods
 
 from kvflow.local.procs import ProcessGroup
 from kvflow.router import Router, load_config
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -26,14 +27,23 @@ def pods_factory(tmp_path: Path) -> Iterator[object]:
         yield lambda num_blocks, first_host: start_pods(group, decode=4, num_blocks=num_blocks, first_host=first_host)
 
 
+async def following(session: aiohttp.ClientSession, pods: list[Pod], routers: list[Router]) -> bool:
+    """Every router has scraped every pod and hears its KV events. A SUB socket misses what was
+    published before it connected, so the pods reset their (empty) caches again, each time
+    publishing an ``AllBlocksCleared``, until every router has heard one from each."""
+    await reset(session, pods)
+    ids = {pod.endpoint.id for pod in pods}
+    return all(ids <= r.event_sources and all(v.metrics.num_blocks is not None for v in r.datastore.snapshot())
+               for r in routers)
+
+
 async def drive(pods: list[Pod], profile: str, workload: Workload, replicas: int = 1) -> Outcome:
-    async with aiohttp.ClientSession() as session:
-        await reset(session, pods)
     routers = [Router(load_config(router_config(pods)), profile=profile) for _ in range(replicas)]
     for r in routers:
         await r.start()
     try:
-        await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as session:
+            await eventually(lambda: following(session, pods, routers), what="every router to follow every pod")
         return await run(routers, profile, workload)
     finally:
         for r in routers:
