@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from kvflow.local.procs import free_port
 from tests.pids import pids_with, wait_exited
+from tests.waiting import eventually_blocking
 
 
 def post(url: str, body: dict) -> bytes:
@@ -90,10 +91,7 @@ def test_sigterm_during_start_up_stops_what_has_started(tmp_path: Path):
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = f"--port {pod_port}"
     try:
-        deadline = time.monotonic() + 60
-        while not pids_with(marker) and time.monotonic() < deadline:  # the pods are starting
-            time.sleep(0.02)
-        assert pids_with(marker), "no pod started"
+        eventually_blocking(lambda: pids_with(marker), timeout=60, what="a pod process to start")
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     finally:
