@@ -40,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvbench import report, routers
-from kvbench.runner import Options, Outcome, bench_workload, saturation_row_rate
+from kvbench.runner import Options, Outcome, bench_workload, pressured, saturation_row_rate
 from kvbench import traces
 from kvbench.workloads import WORKLOADS, describe
 
@@ -65,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="workload seeds (traces); with several, a last table gives the means over seeds "
                         "(default: %(default)s)")
+    p.add_argument("--kv-fraction", nargs="+", type=float, default=[], metavar="F",
+                   help="run each workload's cache-pressure variants instead: pools that hold F of its working set "
+                        "(the blocks more than one prompt shares, at round-robin's saturation rate on its own pools), "
+                        "named <workload>-kv<F as percent>; 0 is the workload's own pools (--kv-fraction 0 0.7: both)")
     traces.add_arguments(p)
     p.add_argument("--llmservice", type=Path, default=None,
                    help="take the kvflow rows' router config from `kvflow operator render` of this LLMService "
@@ -122,18 +126,22 @@ async def main_async(args: argparse.Namespace) -> list[Outcome]:
         workloads = [(trace, rates or tuple(args.rates))]
     kvflow_config = rendered_router_config(args.llmservice) if args.llmservice else None
     outcomes = []
-    for workload, rates in workloads:
-        name = workload.name
+    for base, rates in workloads:
         for seed in args.seeds:
-            opts = Options(duration=args.duration, factors=tuple(args.factors), rates=rates, seed=seed,
-                           log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet,
-                           kvflow_config=kvflow_config)
-            outcome = await bench_workload(workload, args.routers, opts)
-            outcomes.append(outcome)
-            print_outcome(outcome)
-            report.plot(outcome.rows, f"workload {name}: {describe(workload)}" + (f", seed {seed}" if seed else ""),
-                        args.out / plot_name(name, seed, args.seeds))
-            sys.stdout.flush()
+            for fraction in args.kv_fraction or [0.0]:
+                workload = await asyncio.to_thread(pressured, base, fraction, seed, args.duration) if fraction else base
+                opts = Options(duration=args.duration, factors=tuple(args.factors), rates=rates, seed=seed,
+                               log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet,
+                               kvflow_config=kvflow_config)
+                outcome = await bench_workload(workload, args.routers, opts)
+                outcomes.append(outcome)
+                print_outcome(outcome)
+                title = f"workload {workload.name}: {describe(workload)}" + (f", seed {seed}" if seed else "")
+                report.plot(outcome.rows, title, args.out / plot_name(workload.name, seed, args.seeds))
+                at = saturation_row_rate(outcome)
+                report.plot_cdf([r for r in outcome.rows if r.rate == at], f"{title}, {at:g} req/s",
+                                args.out / plot_name(workload.name, seed, args.seeds).replace(".png", "-cdf.png"))
+                sys.stdout.flush()
     if len(args.seeds) > 1:
         print(f"\n### means over seeds {', '.join(map(str, args.seeds))}, at round-robin's saturation rate\n")
         print(report.summary([r for o in outcomes for r in o.rows if r.rate == saturation_row_rate(o)]))
@@ -160,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "routing.json").write_text(json.dumps(
         [{"workload": o.workload.name, "seed": o.seed, "saturation": o.saturation, "rates": o.rates, "skipped": o.skipped,
           "rows": [asdict(r) for r in o.rows]} for o in outcomes], indent=1, default=str))
-    print(f"\nplots: {', '.join(str(args.out / plot_name(o.workload.name, o.seed, args.seeds)) for o in outcomes)}")
+    names = [plot_name(o.workload.name, o.seed, args.seeds) for o in outcomes]
+    print(f"\nplots: {', '.join(str(args.out / n) for n in names)}; TTFT CDFs at the saturation rate: "
+          f"{', '.join(str(args.out / n.replace('.png', '-cdf.png')) for n in names)}")
     return 0
 
 

@@ -396,6 +396,17 @@ def hit_ceiling(trace: Trace, prepared: Sequence[Prepared] | None = None, hits: 
     return sum(hits) * HASH.block_size / queried if queried else 0.0
 
 
+def working_set_blocks(prepared: Sequence[Prepared]) -> int:
+    """The trace's working set in KV blocks: the distinct blocks that more than one request's
+    prompt holds, which is what a prefix cache can ever reuse (a block only one prompt holds is
+    computed once whatever the pools hold). Sizing pools below it puts the cache under pressure."""
+    holders: dict[BlockHash, int] = {}
+    for p in prepared:
+        for h in set(p.hashes):
+            holders[h] = holders.get(h, 0) + 1
+    return sum(1 for n in holders.values() if n > 1)
+
+
 def hittable_blocks(trace: Trace, prepared: Sequence[Prepared]) -> list[int]:
     """Per request: how many of its leading blocks can be a hit at all, whatever the router.
 

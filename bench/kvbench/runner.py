@@ -86,6 +86,19 @@ def saturation(workload: Workload, seed: int, duration: float) -> float:
     return round(sat, 1)
 
 
+def pressured(workload: Workload, fraction: float, seed: int, duration: float) -> Workload:
+    """The cache-pressure variant of ``workload``: pools that hold ``fraction`` of the working set
+    (``oracle.working_set_blocks``) of its trace at round-robin's saturation rate on its own pools,
+    named ``<name>-kv<percent>``. Its rates are then searched again on the smaller pools."""
+    if not 0 < fraction <= 4:
+        raise ValueError(f"--kv-fraction takes a fraction of the working set in (0, 4], got {fraction:g}")
+    rate = saturation(workload, seed, duration)
+    blocks = oracle.working_set_blocks(oracle.prepare(workload.trace(rate, duration, seed)))
+    pods = workload.decode_pods
+    return replace(workload, name=f"{workload.name}-kv{round(fraction * 100)}", base=workload.base or workload.name,
+                   kv_fraction=fraction, num_blocks=max(64, round(fraction * blocks / pods)))
+
+
 def replay_rows(workload: Workload, trace: Trace) -> tuple[list[report.Row], tuple[int, ...]]:
     """The replay's rows for one trace, and the oracle's placements (none with P/D)."""
     profile = get_profile(SIM_PROFILE)

@@ -164,6 +164,11 @@ class Workload:
     """The shape's keyword arguments where they differ from its defaults (sizes, counts)."""
     cpu_blocks: int = 0
     """Blocks of each pod's CPU offload tier (``kvflow sim --kv-offloading-size``); 0: none."""
+    kv_fraction: float = 0.0
+    """A cache-pressure variant's pools, as a fraction of the working set (``kvbench.runner.pressured``);
+    0: the workload's own ``num_blocks``."""
+    base: str = ""
+    """The workload a variant was made from (its description); empty for the workload itself."""
 
     @property
     def pd(self) -> bool:
@@ -199,8 +204,12 @@ SMOKE = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
 """Two pods and a few short shared prefixes: a workload the tests replay, or run live, in seconds."""
 def describe(workload: Workload) -> str:
     if workload.shape == TRACE_SHAPE:
-        return dict(workload.params)["window"].describe()  # type: ignore[attr-defined,no-any-return]
-    return DESCRIPTIONS.get(workload.name, f"{workload.shape} {dict(workload.params)}")
+        text: str = dict(workload.params)["window"].describe()  # type: ignore[attr-defined]
+        return text + (f"; pools hold {workload.kv_fraction:.0%} of the working set" if workload.kv_fraction else "")
+    text = DESCRIPTIONS.get(workload.base or workload.name, f"{workload.shape} {dict(workload.params)}")
+    if workload.kv_fraction:
+        text += f"; pools hold {workload.kv_fraction:.0%} of the working set ({workload.num_blocks} blocks a pod)"
+    return text
 
 
 DESCRIPTIONS = {

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from kvbench import oracle, report, routers
 from kvbench.pods import Pod
-from kvbench.runner import Options, bench_workload, words
-from kvbench.workloads import SMOKE, Trace, TraceRequest, multi_turn, sim_answer
+from kvbench.runner import Options, bench_workload, pressured, saturation, words
+from kvbench.workloads import SMOKE, Trace, TraceRequest, describe, multi_turn, sim_answer
 
 from kvflow.endpoints import Endpoint
 from kvflow.sim.profiles import get_profile
@@ -129,27 +129,57 @@ def test_the_pods_are_warmed_with_every_word_of_the_traces_once() -> None:
 
 
 def test_the_summary_over_seeds_compares_each_router_with_the_references_of_its_own_seed() -> None:
-    def row(router: str, seed: int, mean: float, p90: float, pod: float = math.nan, measured: bool = True) -> report.Row:
+    def row(router: str, seed: int, mean: float, p90: float, pod: float = math.nan, measured: bool = True,
+            p99: float = math.nan) -> report.Row:
         return report.Row("a", router, 10.0, 100, 0, mean, p90, hit_rate=0.5, requests_per_pod=(50, 50),
-                          measured=measured, pod_ttft_ms=pod, seed=seed)
+                          measured=measured, pod_ttft_ms=pod, seed=seed, ttft_p99_ms=p99)
 
     rows = [
         row(report.ORACLE, 0, 50, 100, measured=False), row(report.ORACLE, 1, 100, 200, measured=False),
         row(report.REFERENCE, 0, 100, 200), row(report.REFERENCE, 1, 400, 800),
-        row("kvflow default", 0, 60, 150, pod=55), row("kvflow default", 1, 120, 400, pod=90),
+        row("vllm-router cache_aware", 0, 80, 300), row("vllm-router cache_aware", 1, 500, 500),
+        row("kvflow default", 0, 60, 150, pod=55, p99=300), row("kvflow default", 1, 120, 400, pod=90, p99=500),
         row(report.LIVE_ORACLE, 0, 50, 110), row(report.LIVE_ORACLE, 1, 125, 260),
     ]
     text = report.summary(rows)
 
     kvflow = next(line for line in text.splitlines() if line.startswith("| a | kvflow default |"))
     cells = [c.strip() for c in kvflow.strip("|").split("|")]
-    assert cells[2:6] == ["2", "90.0", "275.0", "72.5"]  # plain means over the seeds
-    assert cells[6] == "0.45 (0.30-0.60)"  # 60/100 and 120/400: each seed against its own reference
-    assert cells[7] == "0.62"  # p90: 150/200 and 400/800
-    assert cells[8:10] == ["1.20", "1.00"]  # vs oracle: 60/50 and 120/100; the pods' own: 55/50 and 90/100
-    assert cells[10] == "1.08"  # vs the live oracle: 60/50 and 120/125
-    assert "a: vs sglang cache_aware mean 0.45, p90 0.62 (target <= 0.80: met); vs oracle 1.20 (target <= 1.10: " \
+    assert cells[2:7] == ["2", "90.0", "275.0", "400.0", "72.5"]  # plain means over the seeds
+    assert cells[7] == "0.45 (0.30-0.60)"  # 60/100 and 120/400: each seed against its own reference
+    assert cells[8] == "0.62"  # p90: 150/200 and 400/800
+    # the best cache-aware peer, per seed and figure: mean 60/80 and 120/400, p90 150/200 and 400/500
+    assert cells[9] == "0.53 (0.30-0.75) / 0.78 (0.75-0.80)"
+    assert cells[10:12] == ["1.20", "1.00"]  # vs oracle: 60/50 and 120/100; the pods' own: 55/50 and 90/100
+    assert cells[12] == "1.08"  # vs the live oracle: 60/50 and 120/125
+    assert "a: vs sglang cache_aware mean 0.45, p90 0.62 (issue 10, <= 0.80: met); vs oracle 1.20 (<= 1.10: " \
            "NOT met); vs oracle (live) 1.08 (met)" in text
+    assert "a: vs the best cache-aware peer mean 0.53 (0.30-0.75), p90 0.78 (0.75-0.80) (issue 47, <= 0.80 on " \
+           "both: met)" in text
+
+
+def test_a_cache_pressure_variant_sizes_the_pools_to_a_share_of_the_working_set() -> None:
+    trace = SMOKE.trace(20.0, 4.0)
+    prepared = oracle.prepare(trace)
+    shared = oracle.working_set_blocks(prepared)
+    # every system prompt is sent more than once, so its blocks are in the working set; a
+    # question sent once is not, and the block holding only a prompt's tail never is
+    assert 0 < shared < sum(len(p.hashes) for p in prepared)
+    variant = pressured(SMOKE, 0.5, 0, 4.0)
+    assert (variant.name, variant.base, variant.kv_fraction) == ("smoke-kv50", "smoke", 0.5)
+    whole = oracle.working_set_blocks(oracle.prepare(SMOKE.trace(saturation(SMOKE, 0, 4.0), 4.0, 0)))
+    assert variant.num_blocks == max(64, round(0.5 * whole / SMOKE.decode_pods))
+    assert "50% of the working set" in describe(variant)
+    with pytest.raises(ValueError, match="kv-fraction"):
+        pressured(SMOKE, 0.0, 0, 4.0)
+
+
+def test_the_cdf_plot_draws_every_router_that_has_requests(tmp_path: Path) -> None:
+    rows = [report.Row("a", name, 10.0, 3, 0, 2.0, 3.0, ttft_p99_ms=3.0, ttfts_ms=(1.0, 2.0, 3.0))
+            for name in ("kvflow default", report.REFERENCE, report.ORACLE)]
+    png = tmp_path / "cdf.png"
+    report.plot_cdf(rows, "a", png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_replay_oracle_never_beats_the_bound_and_round_robin_spreads_evenly() -> None:
