@@ -5,7 +5,7 @@ per-request cost, index memory.
 and profile, as users get them, N endpoints that all publish KV events, and a precise prefix
 index of B blocks (random blocks spread over the endpoints, plus the prompt's own blocks, fed
 as ``BlockStored`` events, cached fully on 8 endpoints and half on 8 others). Each sample
-schedules an 8k-token prompt. ``decide cold`` is ``Router.schedule`` for it, everything the
+schedules an 8k-token prompt. ``decide cold`` is ``Router.decide`` for it, everything the
 router does for a prompt it never saw: the prefix fingerprints, the walk of the precise index,
 the filters and scorers (there is no memo: a prompt seen before costs the same). The loops over
 a prompt's blocks run in C (``kvflow._native``, kvflow's own, built by ``pip install`` where a
@@ -25,7 +25,7 @@ same blocks' ``BlockRemoved``; then, stored again, their eviction as vLLM publis
 events into an index keyed by vLLM's hashes as the events name them (no tokens read, nothing
 to translate: what the router paid before it fingerprinted blocks).
 
-**Per-request cost**: ``Router.schedule`` + ``request_started`` + ``request_finished`` per
+**Per-request cost**: ``Router.decide`` and its ``Flight`` (dispatched, answered, finished) per
 built-in profile, with 4 and 64 endpoints (scraped metrics set, ``--window`` requests in
 flight, 256-token prompts from 64 shared prefixes).
 
@@ -63,7 +63,7 @@ import numpy as np
 
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.hashing import hash_fn, hash_request_tokens, none_hash, to_external
-from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
+from kvflow.router import EngineMetrics, Flight, Router, SchedulingRequest, load_config
 from kvflow.router import block_table, fingerprint
 from kvflow.router.block_table import BlockTable
 from kvflow.protocol.kv_events import BlockRemoved, BlockStored, KvEvent, decode_runs
@@ -176,7 +176,7 @@ def decision(n_endpoints: int, blocks: int, n_tokens: int, repeat: int) -> Decis
         router.precise.match(router.fingerprinter.prompt(tokens))
         row.lookup.append(time.thread_time() - t)
         t = time.thread_time()
-        result = router.schedule(SchedulingRequest(f"c{i}", "m", tokens))
+        result = router.decide(SchedulingRequest(f"c{i}", "m", tokens)).result
         row.cold.append(time.thread_time() - t)
     assert result.cached_tokens == n_tokens  # the pick holds the whole prompt
     return row
@@ -255,7 +255,7 @@ def ingest_table() -> None:
 
 
 def per_request(profile: str, n_endpoints: int, *, requests: int, window: int, batches: int) -> list[float]:
-    """CPU microseconds per request (schedule + started + finished), one sample per batch."""
+    """CPU microseconds per request (decide, dispatch, first token, finish), one sample per batch."""
     eps = endpoints(n_endpoints)
     router = Router(load_config({"kvEvents": {"enabled": False}}), eps, profile=profile)
     rng = random.Random(2)
@@ -267,26 +267,30 @@ def per_request(profile: str, n_endpoints: int, *, requests: int, window: int, b
     samples = []
     n = 0
     for _ in range(batches):
-        live: list[tuple[SchedulingRequest, object]] = []
+        live: list[Flight] = []
         t = time.thread_time()
         for _ in range(requests):
-            req = SchedulingRequest(f"req-{n}", "m", prompts[n % len(prompts)])
+            flight = router.decide(SchedulingRequest(f"req-{n}", "m", prompts[n % len(prompts)]))
             n += 1
-            result = router.schedule(req)
-            router.request_started(req, result)
-            live.append((req, result))
+            flight.dispatch()
+            live.append(flight)
             if len(live) > window:
-                done, res = live.pop(0)
-                router.request_finished(done, res, ok=True)  # type: ignore[arg-type]
-        for done, res in live:
-            router.request_finished(done, res, ok=True)  # type: ignore[arg-type]
+                answered(live.pop(0))
+        for flight in live:
+            answered(flight)
         samples.append((time.thread_time() - t) / requests)
     return samples
 
 
+def answered(flight: Flight) -> None:
+    flight.prefill_done(ok=True)
+    flight.first_token(observe=False)
+    flight.finish()
+
+
 def request_table(requests: int, window: int, batches: int) -> None:
     print(
-        f"\nper-request router cost (schedule + request_started + request_finished), {window} in flight,"
+        f"\nper-request router cost (decide, dispatch, first token, finish), {window} in flight,"
         " 256-token prompts; CPU microseconds per request, best / median"
     )
     print(f"{'profile':<15} {'4 endpoints':>15} {'64 endpoints':>15}")

@@ -49,7 +49,7 @@ from kvbench.runner import saturation  # noqa: E402
 from kvbench.workloads import WORKLOADS  # noqa: E402
 
 from kvflow.router.request import tokens_off_loop  # noqa: E402
-from kvflow.tokenizer import BuiltinTokenizer, HFTokenizer, prompt_token_ids  # noqa: E402
+from kvflow.tokenizer import BuiltinTokenizer, HFTokenizer  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 TINY_LLAMA = ROOT / "tests" / "golden" / "tiny-llama-tokenizer"
@@ -95,7 +95,7 @@ def loop_stalls(prompts: list[str], folder: Path, *, off_loop: bool) -> list[flo
         task = asyncio.create_task(ticker())
         for prompt in prompts:
             body = {"prompt": prompt}
-            await tokens_off_loop(lambda b: prompt_token_ids(tokenizer, b), body, len(prompt), threshold)
+            await tokens_off_loop(tokenizer, body, len(prompt), threshold)
             await asyncio.sleep(0)
         done.set()
         await task

@@ -36,8 +36,7 @@ from kvflow.gateway.validation import validate
 from kvflow.router import status_api
 from kvflow.router.dashboard import HEADERS as PAGE_HEADERS, PAGE_PATH, page_file
 from kvflow.router.flight import Flight
-from kvflow.router.model import SchedulingResult
-from kvflow.router.request import PoolNames, scheduling_request, tokens_off_loop
+from kvflow.router.request import Incoming, PoolNames, tokens_off_loop
 from kvflow.endpoints import Endpoint
 from kvflow.routing_headers import EXPLAIN, PRIORITY, strip_client_routing
 
@@ -195,7 +194,7 @@ class Gateway:
         ex.model = pool.model
         self.limiter.check(key.name)
         router = pool.router
-        tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
+        tokens = await tokens_off_loop(router.tokenizer, body, len(request.body))
         send_json(out, 200, openai_api.tokenize_answer(router.tokenizer, tokens, router.max_prompt_tokens, req),
                   ex.request_id)
 
@@ -292,18 +291,14 @@ class Gateway:
 
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
                      lora: str | None) -> None:
-        router = pool.router
         first_byte = first_byte_timeout(self.upstream.timeouts, body, batch=ex.mode == "batch")  # before mode is set
-        tokens = await tokens_off_loop(router.tokenize, body, len(request.body), router.offload_bytes)
-        sreq = scheduling_request(body, request.headers, tokens, request_id=ex.request_id,
-                                  names=self.pool_names[pool.model], max_prompt_tokens=router.max_prompt_tokens)
-        await router.prepare(sreq)
-        result: SchedulingResult = router.schedule(sreq)
+        flight = await pool.router.route(Incoming(body, request.headers, ex.request_id, len(request.body)))
+        result = flight.result
         ex.prefill, ex.cached_tokens = result.prefill, result.cached_tokens
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
         if self._forward_auth and "authorization" in request.headers:
             upstream_headers["Authorization"] = request.headers["authorization"]
-        with router.flight(sreq, result) as flight:  # released whatever happens below
+        with flight:  # released whatever happens below
             payload = request.body
             if result.prefill is not None:
                 payload = await self._prefill(ex, pool, flight, result.prefill, request.path, body, upstream_headers)

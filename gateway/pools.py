@@ -1,12 +1,13 @@
 """One pool per model: its router (the same scheduler the ext_proc server runs), its
 admission gate and its metrics. The gateway talks to the router through ``PoolRouter``, the
-part of ``kvflow.router.Router`` it uses, so tests can stand in a scripted router."""
+part of ``kvflow.router.Router`` it uses (one ``route`` call per request), so tests can stand
+in a scripted router."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvflow.gateway.config import FlowConfig, PoolConfig
 from kvflow.gateway.flow import Gate
@@ -14,8 +15,8 @@ from kvflow.gateway.hold import Hold
 from kvflow.gateway.metrics import GatewayMetrics, ModelMetrics
 from kvflow.router.datastore import Datastore
 from kvflow.router.flight import Flight
-from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.router.observability import RouterMetrics
+from kvflow.router.request import Incoming
 from kvflow.endpoints import Endpoint
 from kvflow.tokenizer import Tokenizer
 
@@ -25,22 +26,15 @@ class PoolRouter(Protocol):
 
     async def stop(self) -> None: ...
 
-    def tokenize(self, body: Mapping[str, Any]) -> list[int]: ...
+    async def route(self, incoming: Incoming) -> Flight:
+        """The request's decision (``flight.result``) and the flight that accounts for it."""
 
     @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    @property
-    def offload_bytes(self) -> int: ...
+    def tokenizer(self) -> Tokenizer:
+        """The one the router fingerprints prompts with (the gateway's ``/tokenize`` answers with it)."""
 
     @property
     def max_prompt_tokens(self) -> int: ...
-
-    async def prepare(self, request: SchedulingRequest) -> None: ...
-
-    def schedule(self, request: SchedulingRequest) -> SchedulingResult: ...
-
-    def flight(self, request: SchedulingRequest, result: SchedulingResult) -> Flight: ...
 
     def mark_failed(self, endpoint: Endpoint) -> None: ...
 
@@ -69,13 +63,17 @@ class Pool:
 def build_router(config: PoolConfig) -> PoolRouter:
     """A kvflow.router.Router for the pool's static endpoints and profile."""
     from kvflow.router import Router, load_config
+    from kvflow.router.config import read_source
     from kvflow.router.tokenizer_policy import choose_tokenizer
 
-    source = config.router_config
-    if source is None or isinstance(source, dict):  # the router's metrics name the pool by its model
-        pool = {"name": config.model, "model": config.model, "loras": list(config.loras)}
-        source = {**(source or {}), "pool": {**pool, **(source or {}).get("pool", {})}}
-    router_config = load_config(source)
+    raw = read_source(config.router_config)
+    pool = raw.get("pool") or {}
+    if isinstance(pool, Mapping):  # (anything else: load_config says what is wrong with it)
+        # The router resolves a request's model and adapter (Router.names): the ones the gateway
+        # sends this pool, and its metrics name the pool by its model unless told otherwise.
+        loras = [*config.loras, *(name for name in pool.get("loras", []) if name not in config.loras)]
+        raw = {**raw, "pool": {"name": config.model, **pool, "model": config.model, "loras": loras}}
+    router_config = load_config(raw)
     tokenizer = choose_tokenizer(router_config, config.tokenizer, who=f"kvflow gateway: pool {config.model}")
     router = Router(router_config, config.all_endpoints(), profile=config.profile, tokenizer=tokenizer)
     if router_config.max_prompt_tokens is None and config.max_model_len:

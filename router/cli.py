@@ -203,7 +203,7 @@ def metrics_app(router: Router, reader_token: str | None = None) -> web.Applicat
         try:
             body = openai_api.decode_json(await request.read())
             req = openai_api.tokenize_request(body)
-            tokens = await tokens_off_loop(router.tokenize, body, request.content_length or 0, router.offload_bytes)
+            tokens = await tokens_off_loop(router.tokenizer, body, request.content_length or 0)
         except KvflowError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return web.json_response(openai_api.tokenize_answer(router.tokenizer, tokens, router.max_prompt_tokens, req))

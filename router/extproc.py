@@ -4,8 +4,8 @@ Envoy streams each HTTP request to us (``FULL_DUPLEX_STREAMED`` for bodies, as t
 Extension requires). Per request:
 
 1. request headers — remembered; answered only once the body is complete (full duplex);
-2. request body chunks — buffered until ``end_of_stream``; then the JSON is tokenised and
-   scheduled, and we answer with a headers response that sets
+2. request body chunks — buffered until ``end_of_stream``; then the JSON is parsed and routed
+   (one call, ``Router.route``), and we answer with a headers response that sets
    ``x-gateway-destination-endpoint`` (the pick; Envoy's ORIGINAL_DST cluster routes on it),
    ``x-prefiller-host-port`` (P/D), dynamic metadata ``envoy.lb`` /
    ``x-gateway-destination-endpoint`` = the ordered fallback list, and clears the route
@@ -50,9 +50,8 @@ from google.protobuf import struct_pb2
 from kvflow.errors import KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
 from kvflow.request_body import DEFAULT_BUFFERED_BODIES, DEFAULT_MAX_DEPTH, BodyBudget, client_body
 from kvflow.router.flight import Flight
-from kvflow.router.model import SchedulingRequest, SchedulingResult
-from kvflow.router.request import scheduling_request as build_request
-from kvflow.router.request import tokens_off_loop
+from kvflow.router.model import SchedulingResult
+from kvflow.router.request import Incoming
 from kvflow.router.router import Router
 from kvflow.routing_headers import DESTINATION, NEVER_FROM_CLIENTS, PICKED, PREFILLER, strip_client_routing
 
@@ -93,9 +92,8 @@ class _Exchange:
     body: bytearray = field(default_factory=bytearray)
     held: int = 0
     """Bytes this request holds of the processor's ``BodyBudget``."""
-    request: SchedulingRequest | None = None
-    result: SchedulingResult | None = None
     flight: Flight | None = None
+    """The request's accounting, once routed (its decision in ``flight.result``)."""
     status: int = 0
     streamed: bool = False
     finished: bool = False
@@ -162,17 +160,12 @@ def error_response(error: KvflowError) -> pb.ProcessingResponse:
     )
 
 
-async def scheduling_request(router: Router, headers: dict[str, str], body: bytes,
-                             max_depth: int = DEFAULT_MAX_DEPTH) -> SchedulingRequest:
-    """The request as the gateway would build it (``kvflow.router.request``), for the same routing:
-    the body parsed and checked by the gateway's own ``client_body`` (a client's
-    ``kv_transfer_params``, however its key is spelled, is a 400)."""
+def incoming(headers: dict[str, str], body: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> Incoming:
+    """The request as the gateway hands it to its router, for the same routing: the body parsed
+    and checked by the gateway's own ``client_body`` (a client's ``kv_transfer_params``, however
+    its key is spelled, is a 400)."""
     parsed, _ = client_body(body, max_depth, "reject") if body else ({}, False)
-    tokens = await tokens_off_loop(router.tokenize, parsed, len(body), router.offload_bytes)
-    return build_request(
-        parsed, headers, tokens, request_id=headers.get("x-request-id") or uuid.uuid4().hex,
-        names=router.names, max_prompt_tokens=router.max_prompt_tokens,
-    )
+    return Incoming(parsed, headers, headers.get("x-request-id") or uuid.uuid4().hex, len(body))
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -236,7 +229,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.status = int(headers.get(":status", "0") or 0)
             ex.streamed = headers.get("content-type", "").startswith("text/event-stream")
             self._answered(ex)
-            set_headers = [_set(PICKED_RESPONSE_HEADER, ex.result.targets[0].id)] if ex.result else []
+            picked = ex.flight.result.targets[0].id if ex.flight is not None else None
+            set_headers = [_set(PICKED_RESPONSE_HEADER, picked)] if picked is not None else []
             common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
@@ -301,22 +295,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _decide(self, ex: _Exchange, *, with_body: bool) -> list[pb.ProcessingResponse]:
         try:
-            ex.request = await scheduling_request(self.router, ex.headers, bytes(ex.body), self.limits.max_json_depth)
-            await self.router.prepare(ex.request)
-            ex.result = self.router.schedule(ex.request)
+            ex.flight = flight = await self.router.route(incoming(ex.headers, bytes(ex.body), self.limits.max_json_depth))
         except Exception as exc:  # every failure becomes an HTTP answer, never a broken stream
             ex.refused = True
             error = from_exception(exc)
             if not isinstance(exc, KvflowError):
                 log.exception("scheduling failed")
             return [error_response(error)]
-        ex.flight = flight = self.router.flight(ex.request, ex.result)
-        if ex.result.prefill is not None:  # the decode pod's sidecar runs the prefill leg
-            flight.send_prefill(ex.result.prefill)
-        flight.send(ex.result.targets[0], remote=ex.result.prefill is not None)
+        flight.dispatch()  # Envoy sends it there; the decode pod's sidecar runs a prefill leg
+        result = flight.result
         if with_body and not ex.duplex_request:
-            return [routing_response(ex.result, on_body=True)]
-        out = [routing_response(ex.result)]
+            return [routing_response(result, on_body=True)]
+        out = [routing_response(result)]
         if with_body:
             out += body_responses(bytes(ex.body), request=True)
         return out
@@ -324,12 +314,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _answered(self, ex: _Exchange) -> None:
         """Response headers: Envoy reached the pick (its prefill leg, if any, is done), or did not."""
         flight = ex.flight
-        if flight is None or ex.result is None:
+        if flight is None:
             return
         served = ex.status < 500 and ex.status != 404  # 404: the model was checked; the pod serves another
         flight.prefill_done(ok=served)
         if not served:  # Envoy could not reach the pod, or the pod failed it: nothing was computed there
-            flight.failed(ex.result.targets[0])  # and the router counts it against the pod (passive health)
+            flight.failed(flight.result.targets[0])  # and the router counts it against the pod (passive health)
 
     def _finish(self, ex: _Exchange) -> None:
         if ex.flight is not None and not ex.finished:

@@ -1,10 +1,13 @@
 """One request's load on the pods that serve it, from dispatch to its end.
 
-Accounting follows the pod that actually serves: the gateway (or the ext_proc server) tells the
-``Flight`` each attempt it makes, and only a pod that was really sent the request carries its
-load and learns its prefix. A failed attempt is undone on that pod before the next one::
+The router's decision comes as a ``Flight`` (``Router.route``, or ``Router.decide`` for a
+request already tokenized): ``flight.request`` is what was decided on, ``flight.result`` the
+decision. Accounting follows the pod that actually serves: the gateway (or the ext_proc server)
+tells the ``Flight`` each attempt it makes, and only a pod that was really sent the request
+carries its load and learns its prefix. A failed attempt is undone on that pod before the next
+one::
 
-    flight = router.flight(request, result)
+    flight = await router.route(incoming)
     try:
         flight.send_prefill(pod)       # P/D: the prompt's prefill leg on a prefill pod ...
         flight.prefill_done(ok=True)   # ... which ends (KV exported, or failed: decode computes it)
@@ -173,6 +176,15 @@ class Flight:
             self._forget(leg.endpoint, True)
 
     # -- attempts on decode / aggregated pods ----------------------------------------------
+
+    def dispatch(self) -> None:
+        """Sent to the pick, after the prefill pod's leg where P/D split it, with no other
+        attempt to follow: what an entry that cannot retry does (the ext_proc server: Envoy
+        sends it), and what a replay does."""
+        prefill = self.result.prefill
+        if prefill is not None:
+            self.send_prefill(prefill)
+        self.send(self.result.targets[0], remote=prefill is not None)
 
     def send(self, endpoint: Endpoint, *, remote: bool = False) -> None:
         """An attempt on ``endpoint`` starts (a previous one must have ended with ``failed``);

@@ -1,30 +1,46 @@
 """One OpenAI request → one ``SchedulingRequest``, whichever way it reached the router.
 
-The gateway (router in process) and the ext_proc server (behind Envoy) both call
-``scheduling_request``, so a request is hashed and routed the same way on either path: the
-same tokens, the same LoRA adapter (by model name, or by the ``x-lora`` header naming one the
-pool serves), the same ``cache_salt`` (it keys the first block's hash, as in vLLM), the same
-multimodal keys and the same chosen profile. The edges strip client routing headers before
-they get here (``kvflow.routing_headers``); whatever is left is the router's to read.
+Every entry (the gateway with its router in process, the ext_proc server behind Envoy) parses
+the body with ``kvflow.request_body.client_body`` and hands the router an ``Incoming``;
+``Router.route`` turns it into a ``SchedulingRequest`` here, so a request is hashed and routed
+the same way on either path: the same tokens, the same LoRA adapter (by model name, or by the
+``x-lora`` header naming one the pool serves), the same ``cache_salt`` (it keys the first
+block's hash, as in vLLM), the same multimodal keys and the same chosen profile. The edges strip
+client routing headers before they get here (``kvflow.routing_headers``); whatever is left is
+the router's to read.
 
-Large prompts are tokenised and hashed off the event loop (``prepare``): a million-token prompt
-must not stall every other request the router is deciding.
+Large prompts are tokenised (``tokens_off_loop``) and fingerprinted off the event loop: a
+million-token prompt must not stall every other request the router is deciding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvflow.errors import InvalidRequestError
 from kvflow.router.model import SchedulingRequest
 from kvflow.routing_headers import PROFILE
+from kvflow.tokenizer import Tokenizer, prompt_token_ids
 
 LORA_HEADER = "x-lora"
 _MM_PARTS = {"image_url": "url", "input_audio": "data", "video_url": "url", "audio_url": "url"}
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """One request as an entry received it: what ``Router.route`` decides on."""
+
+    body: Mapping[str, Any]
+    """The OpenAI body, parsed and checked by ``kvflow.request_body.client_body``."""
+    headers: Mapping[str, str]
+    """Its headers, lower-case, with the routing headers a client may not send stripped."""
+    request_id: str
+    size: int
+    """The raw body's length in bytes: a body this large may be tokenized in a worker thread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +60,7 @@ def scheduling_request(
     names: PoolNames | None = None,
     max_prompt_tokens: int | None = None,
 ) -> SchedulingRequest:
-    """The request the router schedules; ``token_ids`` are the prompt's (``Router.tokenize``).
+    """The request the router schedules; ``token_ids`` are the prompt's (``tokens_off_loop``).
 
     ``names`` are the pool's (None: whatever the body names is the model, as behind an EPP that
     serves one pool). A prompt longer than ``max_prompt_tokens`` is a 400, as vLLM answers it.
@@ -104,10 +120,11 @@ def multimodal_hashes(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(found)
 
 
-async def tokens_off_loop(tokenize: Callable[[Mapping[str, Any]], list[int]], body: Mapping[str, Any],
-                          size: int, offload_bytes: int) -> list[int]:
-    """``tokenize(body)``, in a worker thread when the body is ``size`` >= ``offload_bytes``
-    bytes (the tokenizer's own threshold, ``Tokenizer.offload_bytes``)."""
-    if size >= offload_bytes:
-        return await asyncio.to_thread(tokenize, body)
-    return tokenize(body)
+async def tokens_off_loop(tokenizer: Tokenizer, body: Mapping[str, Any], size: int,
+                          offload_bytes: int | None = None) -> list[int]:
+    """The prompt's token ids, computed in a worker thread when the body is ``size`` >=
+    ``offload_bytes`` bytes (by default the tokenizer's own threshold, ``Tokenizer.offload_bytes``:
+    past it the thread's encoding lets the event loop run meanwhile)."""
+    if size >= (tokenizer.offload_bytes if offload_bytes is None else offload_bytes):
+        return await asyncio.to_thread(prompt_token_ids, tokenizer, body)
+    return prompt_token_ids(tokenizer, body)

@@ -1,16 +1,21 @@
 """``Router``: one model pool's scheduler, the object the gateway and the ext_proc server call.
 
-Synchronous in the middle (``schedule`` over a frozen snapshot), asynchronous at the edges
-(``start`` runs the metrics scraper and the KV-event subscribers).
+One call per request: ``await router.route(Incoming(body, headers, request_id, size))`` returns
+the ``Flight`` that accounts for it, its decision in ``flight.result``. ``route`` tokenizes the
+prompt and fingerprints a long one off the event loop, then calls ``decide``, the synchronous
+core (a decision over the pool's snapshot), which callers that already hold a
+``SchedulingRequest`` (benchmarks, replays) call themselves. What a decision read (the prompt's
+fingerprints, each pod's cached prefix) goes into the ``Flight`` it returns, not into a table
+keyed by request id. Asynchronous at the edges: ``start`` runs the metrics scraper and the
+KV-event subscribers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from time import monotonic, perf_counter
 from typing import Any
 from zlib import crc32
@@ -30,10 +35,10 @@ from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResu
 from kvflow.router.observability import DecisionLog, RouterMetrics
 from kvflow.router.pd import Decision, PdPolicy, decide
 from kvflow.router.plugins import PluginContext, build
-from kvflow.router.request import PoolNames
+from kvflow.router.request import Incoming, PoolNames, scheduling_request, tokens_off_loop
 from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
 from kvflow.router.scraper import Scraper
-from kvflow.tokenizer import Tokenizer, load_tokenizer, prompt_token_ids
+from kvflow.tokenizer import Tokenizer, load_tokenizer
 from kvflow.endpoints import Endpoint, EndpointId
 
 log = logging.getLogger(__name__)
@@ -41,17 +46,7 @@ log = logging.getLogger(__name__)
 PROFILE_HEADER = "x-kvflow-profile"
 """A request may name another configured profile (benchmarks, A/B tests)."""
 PREHASH_TOKENS = 32_768
-"""Prompts at least this long are fingerprinted off the event loop (``Router.prepare``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Decided:
-    """What a decision leaves for the request's ``Flight``."""
-
-    hashes: PromptFingerprints | None
-    """The prompt's block fingerprints, when the decision read them (the indexes learn them)."""
-    matches: Mapping[EndpointId, int] = field(default_factory=dict)
-    """Leading blocks each endpoint was believed to hold."""
+"""Prompts at least this long are fingerprinted off the event loop (``Router.route``)."""
 
 
 def _matches(cycle: Cycle) -> Mapping[EndpointId, int]:
@@ -128,13 +123,6 @@ class Router:
         self.log = DecisionLog()
         self.outliers = Outliers(ejection or EjectionPolicy())
         """Passive health: pods ejected for failing requests the others serve (``router/outliers.py``)."""
-        # Fingerprints computed while scheduling, reused when the request starts (approx index
-        # update); None for a decision that did not read prefixes (nothing to learn).
-        self._pending: OrderedDict[str, _Decided] = OrderedDict()
-        self._prepared: OrderedDict[str, PromptFingerprints] = OrderedDict()
-        """Long prompts' fingerprints, computed by ``prepare`` in a worker thread."""
-        self._flights: dict[str, Flight] = {}
-        """Requests begun with ``request_started`` (no attempts), until ``request_finished``."""
         self._clock = clock
         self.max_prompt_tokens: int = config.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
         """Longest prompt accepted (a 400 beyond): the config's, else the pods' context length once known."""
@@ -206,34 +194,41 @@ class Router:
 
     # -- the data path ---------------------------------------------------------------------
 
-    def tokenize(self, body: Mapping[str, Any]) -> list[int]:
-        return prompt_token_ids(self.tokenizer, body)
+    async def route(self, incoming: Incoming) -> Flight:
+        """Where ``incoming`` goes: the ``Flight`` that accounts for it, its decision in
+        ``flight.result``. Tell the flight each attempt, then ``finish`` it (``kvflow.router.flight``).
 
-    @property
-    def offload_bytes(self) -> int:
-        """Request bodies this large are tokenized in a worker thread (``tokens_off_loop``)."""
-        return self.tokenizer.offload_bytes
+        A large body is tokenized, and a long prompt fingerprinted, in a worker thread, so that
+        one huge request does not hold the event loop from every other; then ``decide``. Raises
+        ``KvflowError``: a bad request or profile (400), no pod (503), shed (429)."""
+        tokens = await tokens_off_loop(self.tokenizer, incoming.body, incoming.size)
+        request = scheduling_request(
+            incoming.body, incoming.headers, tokens, request_id=incoming.request_id, names=self.names,
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+        return self.decide(request, await self._fingerprinted(request))
 
-    async def prepare(self, request: SchedulingRequest) -> None:
-        """Fingerprint a long prompt in a worker thread, so ``schedule`` finds them computed and
-        the event loop is never held for long by one request (the thread yields the GIL to it)."""
+    async def _fingerprinted(self, request: SchedulingRequest) -> PromptFingerprints | None:
+        """A long prompt's fingerprints, computed in a worker thread (which yields the GIL to the
+        event loop) when the decision will read them; None: ``decide`` computes what it reads."""
         if len(request.token_ids) < PREHASH_TOKENS:
-            return
-        name = request.profile or request.headers.get(PROFILE_HEADER) or self.profile
-        profile = self.profiles.get(name)
-        if profile is not None and (profile.reads_prefixes or self.policy.enabled):
-            fingerprints = self.fingerprints(request)
-            try:
-                await asyncio.to_thread(fingerprints.all)
-            except InvalidRequestError:
-                return  # schedule raises it again, where callers expect it
-            self._prepared[request.request_id] = fingerprints
-            if len(self._prepared) > 64:
-                self._prepared.popitem(last=False)
+            return None
+        profile = self.profiles.get(self._profile_name(request))
+        if profile is None or not (profile.reads_prefixes or self.policy.enabled):
+            return None
+        fingerprints = self.fingerprints(request)
+        try:
+            await asyncio.to_thread(fingerprints.all)
+        except InvalidRequestError:
+            return None  # decide raises it again, where callers expect it
+        return fingerprints
 
-    def schedule(self, request: SchedulingRequest) -> SchedulingResult:
+    def decide(self, request: SchedulingRequest, fingerprints: PromptFingerprints | None = None) -> Flight:
+        """The decision for ``request``, as the ``Flight`` that accounts for it (nothing is
+        counted on a pod until the flight is told it was sent there); ``fingerprints``: the
+        prompt's, if computed already (``route`` computes a long prompt's off the event loop)."""
         started = perf_counter()
-        name = request.profile or request.headers.get(PROFILE_HEADER) or self.profile
+        name = self._profile_name(request)
         profile = self.profiles.get(name)
         if profile is None:
             raise InvalidRequestError(
@@ -241,7 +236,7 @@ class Router:
                 param=PROFILE_HEADER,
             )
         prefill_profile = self.profiles.get(self.config.pd_prefill_profile or name, profile)
-        cycle = self._cycle(request)
+        cycle = self._cycle(request, fingerprints)
         # Forgetting old guesses, recording the decision: after the send (``_later``), each a few
         # dozen µs of sets and records freed, of no use to this decision (a guess then lives a
         # decision longer than its ``ttl``).
@@ -260,14 +255,12 @@ class Router:
             self.metrics.failed(name, kind, seconds)
             self.log.add(request, None, seconds, error=f"{kind}: {exc.message}", hashes=cycle.hashes)
             raise
-        # Only a decision that read the prompt's prefix teaches the indexes where it went.
-        self._pending[request.request_id] = _Decided(
-            cycle.hashes if decision.reads_prefixes else None, _matches(cycle)
-        )
-        if len(self._pending) > 4096:
-            self._pending.popitem(last=False)
         self._later(self._record, request, decision, perf_counter() - started, cycle)
-        return decision.result
+        # Only a decision that read the prompt's prefix teaches the indexes where it went.
+        return self._flight(request, decision.result, cycle.hashes if decision.reads_prefixes else None, _matches(cycle))
+
+    def _profile_name(self, request: SchedulingRequest) -> str:
+        return request.profile or request.headers.get(PROFILE_HEADER) or self.profile
 
     def _record(self, request: SchedulingRequest, decision: Decision, seconds: float, cycle: Cycle) -> None:
         """A decision into the metrics and the decision log."""
@@ -283,15 +276,11 @@ class Router:
         """Per pod, when its last KV-event batch was applied and its lag (the status API)."""
         return dict(self._kv.heard_at) if self._kv is not None else {}
 
-    def flight(self, request: SchedulingRequest, result: SchedulingResult) -> Flight:
-        """The accounting of a scheduled request: tell it each attempt (see ``kvflow.router.flight``)."""
-        decided = self._pending.pop(request.request_id, None)
-        if decided is None:  # not scheduled here, or forgotten: learn if schedule would have
-            profile = self.profiles.get(result.profile)
-            may_split = self.policy.enabled and bool(self.datastore.by_role()[1])
-            reads = profile is None or profile.reads_prefixes or may_split
-            decided = _Decided(self.fingerprints(request) if reads else None, {})
-        hashes = decided.hashes
+    def _flight(self, request: SchedulingRequest, result: SchedulingResult, hashes: PromptFingerprints | None,
+                matches: Mapping[EndpointId, int]) -> Flight:
+        """The accounting of a decided request. ``hashes``: the prompt's fingerprints, which the
+        indexes learn where it is sent (None: the decision did not read them, nothing to learn);
+        ``matches``: the leading blocks each pod was believed to hold."""
         learned: list[int] | None = None
         guesses: dict[tuple[EndpointId, bool], set[int]] = {}  # the legs' speculative guesses, until prefilled
         # the approximate index is read for pods that send KV events only by some profiles'
@@ -330,7 +319,7 @@ class Router:
                 self.speculative.discard(endpoint.id, learned)
 
         return Flight(
-            request, result, counter=self.datastore.counter, cached_blocks=decided.matches,
+            request, result, counter=self.datastore.counter, cached_blocks=matches,
             block_size=self.config.block_size, learn=learn, forget=forget, prefilled=prefilled, clock=self._clock,
             step_tokens=self.config.step_tokens, answered=self._attempt_answered,
         )
@@ -353,24 +342,6 @@ class Router:
 
     def _touch(self, counter: LoadCounter, fingerprints: np.ndarray) -> None:
         counter.touched(fingerprints, self._clock())
-
-    def request_started(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        """Shorthand for a request sent to its pick (and prefill pod) with no attempt to follow:
-        ``flight`` + ``send``; ``request_finished`` ends it. Callers that retry use ``flight``."""
-        flight = self.flight(request, result)
-        if result.prefill is not None:
-            flight.send_prefill(result.prefill)
-        flight.send(result.targets[0], remote=result.prefill is not None)
-        self._flights[request.request_id] = flight
-        if len(self._flights) > 65536:  # a caller that never finishes must not grow this forever
-            self._flights.pop(next(iter(self._flights))).finish()
-
-    def request_finished(self, request: SchedulingRequest, result: SchedulingResult, *, ok: bool) -> None:
-        flight = self._flights.pop(request.request_id, None)
-        if flight is not None:
-            flight.prefill_done(ok=ok)
-            flight.first_token(observe=False)
-            flight.finish()
 
     def refresh_gauges(self) -> None:
         """Set the per-endpoint gauges (in flight, routable) and index sizes: called when the
@@ -399,10 +370,9 @@ class Router:
         first, later = request_keys(request.lora, request.cache_salt, request.mm_hashes)
         return self.fingerprinter.prompt(request.token_ids, first, later)
 
-    def _cycle(self, request: SchedulingRequest) -> Cycle:
+    def _cycle(self, request: SchedulingRequest, fingerprints: PromptFingerprints | None) -> Cycle:
         # The tie-break generator is seeded only if a picker draws from it (Cycle.rng).
         seed = crc32(request.request_id.encode()) ^ self.config.seed
-        fingerprints = self._prepared.pop(request.request_id, None)
         if fingerprints is None or fingerprints.token_ids is not request.token_ids:
             fingerprints = self.fingerprints(request)
         return Cycle(request, fingerprints, seed, self.config.block_size, self._clock(), board=self.datastore.loads)

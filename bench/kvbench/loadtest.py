@@ -23,6 +23,7 @@ from kvflow.protocol.vllm_metrics import parse_metrics
 from kvflow.router.model import SchedulingRequest
 from kvflow.router.router import PROFILE_HEADER, Router
 from kvflow.endpoints import Endpoint
+from kvflow.tokenizer import prompt_token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,20 +98,25 @@ async def run(
             router = replicas[i % len(replicas)]
             async with sem:
                 body = {"model": model, "prompt": prompt, "max_tokens": workload.max_tokens, "temperature": 0}
-                req = SchedulingRequest(f"{profile}-{i}", model, router.tokenize(body), {PROFILE_HEADER: profile})
-                result = router.schedule(req)
-                router.request_started(req, result)
+                tokens = prompt_token_ids(router.tokenizer, body)
+                flight = router.decide(SchedulingRequest(f"{profile}-{i}", model, tokens, {PROFILE_HEADER: profile}))
+                flight.dispatch()
+                result = flight.result
                 pick = result.targets[0]
                 counts[pick.id] += 1
                 believed[0] += result.cached_tokens
-                believed[1] += len(req.token_ids)
+                believed[1] += len(tokens)
                 ok = False
                 try:
                     async with session.post(f"{pick.url}/v1/completions", json=body) as resp:
                         await resp.read()
                         ok = resp.status == 200
                 finally:
-                    router.request_finished(req, result, ok=ok)
+                    if ok:
+                        flight.first_token(observe=False)
+                    else:
+                        flight.failed(pick)
+                    flight.finish()
                     errors += not ok
 
         async def sample(stop: asyncio.Event) -> None:

@@ -69,11 +69,11 @@ class KvflowReplay:
         request = SchedulingRequest(str(prepared.request.index), MODEL, list(prepared.token_ids))
         started = time.thread_time()
         try:
-            result = self.router.schedule(request)
+            flight = self.router.decide(request)
         except RateLimitError:  # every pod saturated: the gateway answers 429
             self.decide_seconds += time.thread_time() - started
             return None
-        flight = self.router.flight(request, result)
+        result = flight.result
         flight.send(result.targets[0])
         self.decide_seconds += time.thread_time() - started
         self.flights[prepared.request.index] = flight

@@ -64,6 +64,7 @@ def _probe_gateway() -> None:
     import time
 
     from kvflow.gateway import app, httpserver
+    from kvflow.router import request as router_request
     from kvflow.router.router import Router
 
     mono, thread_time = time.monotonic, time.thread_time
@@ -80,7 +81,7 @@ def _probe_gateway() -> None:
 
     started: list[asyncio.Task[None]] = []
     handle, serve, try_targets, stream = app.Gateway.handle, app.Gateway._serve, app.try_targets, app.stream_response
-    tokenize, schedule = Router.tokenize, Router.schedule
+    tokenize, decide = router_request.prompt_token_ids, Router.decide  # inside Router.route, the gateway's one call
 
     begin = httpserver._Connection.on_message_begin
 
@@ -130,7 +131,7 @@ def _probe_gateway() -> None:
         return await stream(out, ex, answer, idle)
 
     app.Gateway.handle, app.Gateway._serve, app.try_targets, app.stream_response = handled, serving, sent, relayed
-    Router.tokenize, Router.schedule = timed(tokenize, "tokenize"), timed(schedule, "schedule")
+    router_request.prompt_token_ids, Router.decide = timed(tokenize, "tokenize"), timed(decide, "schedule")
 
 
 def _probe_sim() -> None:

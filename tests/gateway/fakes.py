@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,17 +14,21 @@ from aiohttp import web
 
 from kvflow.router.model import SchedulingRequest, SchedulingResult
 from kvflow.router.observability import RouterMetrics
+from kvflow.router.request import Incoming, PoolNames, scheduling_request
 from kvflow.endpoints import Endpoint
 from kvflow.tokenizer import BuiltinTokenizer
 
 
 @dataclass
 class ScriptedRouter:
-    """Targets in the given order (rotated per request when ``rotate``); prefill when set."""
+    """Targets in the given order (rotated per request when ``rotate``); prefill when set. The
+    request is built as the real router builds it (``scheduling_request`` with ``names``), with
+    the tokens ``[1, 2, 3]``."""
 
     targets: Sequence[Endpoint]
     prefill: Endpoint | None = None
     rotate: bool = False
+    names: PoolNames | None = None
     started: list[str] = field(default_factory=list)
     finished: list[tuple[str, bool]] = field(default_factory=list)
     """(request id, answered) as each request's accounting ended."""
@@ -38,29 +42,22 @@ class ScriptedRouter:
 
     async def stop(self) -> None: ...
 
-    def tokenize(self, body: Mapping[str, Any]) -> list[int]:
-        return [1, 2, 3]
-
     @property
     def tokenizer(self) -> BuiltinTokenizer:
         return BuiltinTokenizer()
 
-    def schedule(self, request: SchedulingRequest) -> SchedulingResult:
+    max_prompt_tokens: int = 1 << 20
+
+    async def route(self, incoming: Incoming) -> RecordingFlight:
+        request = scheduling_request(incoming.body, incoming.headers, [1, 2, 3], request_id=incoming.request_id,
+                                     names=self.names, max_prompt_tokens=self.max_prompt_tokens)
         self.scheduled.append(request)
         targets = tuple(self.targets)
         if self.rotate:
             k = self._n % len(targets)
             targets, self._n = targets[k:] + targets[:k], self._n + 1
-        return SchedulingResult("default", targets, self.prefill, 0)
-
-    max_prompt_tokens: int = 1 << 20
-    offload_bytes: int = 1 << 16
-
-    async def prepare(self, request: SchedulingRequest) -> None: ...
-
-    def flight(self, request: SchedulingRequest, result: SchedulingResult) -> RecordingFlight:
         self.started.append(request.request_id)
-        return RecordingFlight(self, request.request_id)
+        return RecordingFlight(self, request, SchedulingResult("default", targets, self.prefill, 0))
 
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.failed.append(endpoint.id)
@@ -78,7 +75,8 @@ class RecordingFlight:
     """Records what the gateway told the router about one request (kvflow.router.flight.Flight)."""
 
     router: ScriptedRouter
-    request_id: str
+    request: SchedulingRequest
+    result: SchedulingResult
     events: list[str] = field(default_factory=list)
     served: bool = False
 
@@ -100,8 +98,8 @@ class RecordingFlight:
 
     def finish(self) -> None:
         self.events.append("finish")
-        self.router.finished.append((self.request_id, self.served))
-        self.router.flights.append((self.request_id, self.events))
+        self.router.finished.append((self.request.request_id, self.served))
+        self.router.flights.append((self.request.request_id, self.events))
 
     def __enter__(self) -> RecordingFlight:
         return self

@@ -15,6 +15,7 @@ import pytest
 
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.server import start_gateway
+from kvflow.router.request import PoolNames
 from tests.gateway.fakes import FakePod, ScriptedRouter
 
 MODEL = "tiny"
@@ -48,8 +49,10 @@ async def make_stack(behaviours: list[str], *, prefill: str | None = None, rotat
         prefill_pod = FakePod("prefill", prefill)
         pods.append(prefill_pod)
         await prefill_pod.start("127.0.0.9")
-    router = ScriptedRouter(endpoints, prefill_pod.endpoint if prefill_pod else None, rotate=rotate)
-    pool = {"model": MODEL, "endpoints": [], "loras": config.pop("loras", [])}
+    loras = config.pop("loras", [])
+    router = ScriptedRouter(endpoints, prefill_pod.endpoint if prefill_pod else None, rotate=rotate,
+                            names=PoolNames(MODEL, frozenset(loras)))
+    pool = {"model": MODEL, "endpoints": [], "loras": loras}
     cfg = GatewayConfig.model_validate({"port": 0, "pools": [pool], **config})
     running = await start_gateway(cfg, {MODEL: router})
     return Stack(f"http://127.0.0.1:{running.port}", pods, router, running, aiohttp.ClientSession())

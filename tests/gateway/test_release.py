@@ -19,7 +19,7 @@ from kvflow.router import Router, load_config
 from tests.gateway.fakes import FakePod
 
 MODEL = "tiny"
-STEPS = ["tokenize", "prepare", "schedule", "prefill", "prefill_unreachable", "try_targets", "stream_response"]
+STEPS = ["tokenize", "decide", "prefill", "prefill_unreachable", "try_targets", "stream_response"]
 
 
 @pytest.fixture
@@ -58,10 +58,10 @@ async def test_a_failure_at_any_step_releases_everything(step: str, pods: tuple[
     async def aboom(*args: Any, **kw: Any) -> Any:
         boom()
 
-    if step in ("tokenize", "schedule"):
+    if step == "tokenize":  # inside the router's one call, before its decision
+        monkeypatch.setattr(router.tokenizer, "encode", boom)
+    elif step == "decide":
         monkeypatch.setattr(router, step, boom)
-    elif step == "prepare":
-        monkeypatch.setattr(router, step, aboom)
     else:
         monkeypatch.setattr(gateway_app, step.removesuffix("_unreachable"), aboom)
     config = GatewayConfig.model_validate({"port": 0, "pools": [{"model": MODEL, "endpoints": []}]})

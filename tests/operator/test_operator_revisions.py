@@ -71,11 +71,14 @@ async def test_pd_pairs_never_mix_revisions_during_a_model_rollout(
             n = next(counter)
             prompt = list(range(n * 1000, n * 1000 + 200))  # fresh tokens: nothing cached anywhere
             try:
-                result = router.schedule(SchedulingRequest(f"r{n}", "", prompt))
+                flight = router.decide(SchedulingRequest(f"r{n}", "", prompt))
             except Exception:  # noqa: BLE001 - a moment with no healthy decode pod is not this test's subject
                 return
-            router.request_started(SchedulingRequest(f"r{n}", "", prompt), result)
-            router.request_finished(SchedulingRequest(f"r{n}", "", prompt), result, ok=True)
+            with flight:
+                flight.dispatch()
+                flight.prefill_done(ok=True)
+                flight.first_token(observe=False)
+            result = flight.result
             decode = result.targets[0]
             decisions.append((decode.revision, result.prefill.revision if result.prefill else None))
             seen = revisions(router)

@@ -26,6 +26,7 @@ from kvflow.router.cli import config_from_args, parse_args
 from kvflow.router.config import load_config
 from kvflow.router.router import Router
 from kvflow.router.tokenizer_policy import TokenizerRequired, choose_tokenizer
+from kvflow.tokenizer import prompt_token_ids
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 EVENTS = json.loads((GOLDEN / "vllm_kv_events_text.json").read_text())
@@ -94,7 +95,7 @@ async def test_rendered_router_hashes_prompts_as_vllm_does(harness: Harness, tmp
     built = Router(config, profile=config.default_profile,
                    tokenizer=choose_tokenizer(config, args.tokenizer, who="test"))
     for request in EVENTS["requests"]:
-        tokens = built.tokenize(request["body"])
+        tokens = prompt_token_ids(built.tokenizer, request["body"])
         assert len(tokens) == request["prompt_tokens"]
         hashes = hash_request_tokens(tokens, config.block_size, seed=config.hash_seed, algo=config.hash_algo)
         assert [to_external(x) for x in hashes] == request["stored"], request["path"]
@@ -108,7 +109,7 @@ async def test_rendered_router_hashes_prompts_as_vllm_does(harness: Harness, tmp
         choose_tokenizer(config, None, who="kvflow router")
     builtin = Router(config, profile=config.default_profile, tokenizer=choose_tokenizer(config, "builtin", who="t"))
     first = EVENTS["requests"][0]
-    tokens = builtin.tokenize(first["body"])
+    tokens = prompt_token_ids(builtin.tokenizer, first["body"])
     assert [to_external(x) for x in hash_request_tokens(tokens, config.block_size, seed=config.hash_seed,
                                                          algo=config.hash_algo)] != first["stored"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.endpoints import Endpoint, Role
-from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
+from kvflow.router import EngineMetrics, Flight, Router, SchedulingRequest, load_config
 
 CONFIG = {
     "kvEvents": {"enabled": False},
@@ -67,6 +67,13 @@ CACHED = [0, 0, 0, 0] + [64, 208, 352, 496] * 9
 """Prompt tokens believed cached, for the profiles that match prefixes."""
 
 
+def answered(flight: Flight) -> None:
+    """The request's prefill leg (if any) and its pick answered, and it ended."""
+    flight.prefill_done(ok=True)
+    flight.first_token(observe=False)
+    flight.finish()
+
+
 def run(profile: str, pd: bool) -> tuple[str, list[int]]:
     pods = [Endpoint(f"127.0.0.{i}", 8000) for i in range(2, 8)]
     if pd:
@@ -79,14 +86,15 @@ def run(profile: str, pd: bool) -> tuple[str, list[int]]:
     picks, cached, live = [], [], []
     for n in range(40):
         request = SchedulingRequest(f"r{n}", "m", prompts[n % 4] + [n] * 20)
-        result = router.schedule(request)
+        flight = router.decide(request)
+        result = flight.result
         octets = "".join(t.host.rsplit(".", 1)[1] for t in result.targets)
         picks.append(octets + (f">{result.prefill.host.rsplit('.', 1)[1]}" if result.prefill else ""))
         cached.append(result.cached_tokens)
-        router.request_started(request, result)
-        live.append((request, result))
+        flight.dispatch()
+        live.append(flight)
         if len(live) > 3:
-            router.request_finished(*live.pop(0), ok=True)
+            answered(live.pop(0))
     return " ".join(picks), cached
 
 
@@ -108,24 +116,21 @@ def test_profiles_without_prefix_scorers_never_hash_the_prompt() -> None:
         return compute(token_ids, *args)
 
     router.fingerprinter.prompt_array = counted  # type: ignore[method-assign]
-    request = SchedulingRequest("r", "m", list(range(512)))
-    result = router.schedule(request)
-    router.request_started(request, result)
-    assert (result.cached_tokens, fingerprinted, len(router.approx)) == (0, [], 0)
-    router.request_finished(request, result, ok=True)
-    approx = router.schedule(SchedulingRequest("a", "m", list(range(512)), {"x-kvflow-profile": "prefix-approx"}))
-    router.request_started(SchedulingRequest("a", "m", list(range(512))), approx)
+    flight = router.decide(SchedulingRequest("r", "m", list(range(512))))
+    flight.dispatch()
+    assert (flight.result.cached_tokens, fingerprinted, len(router.approx)) == (0, [], 0)
+    answered(flight)
+    router.decide(SchedulingRequest("a", "m", list(range(512)), {"x-kvflow-profile": "prefix-approx"})).dispatch()
     assert (fingerprinted, len(router.approx)) == ([32], 32)  # once: the decision's, learned from too
 
 
 def test_started_and_finished_do_not_rebuild_the_snapshot() -> None:
     router = Router(load_config({"kvEvents": {"enabled": False}}), [Endpoint("127.0.0.2", 8000)], profile="round-robin")
     before = router.datastore.snapshot()
-    request = SchedulingRequest("r", "m", [1] * 16)
-    result = router.schedule(request)
-    router.request_started(request, result)
+    flight = router.decide(SchedulingRequest("r", "m", [1] * 16))
+    flight.dispatch()
     assert router.datastore.snapshot() is before and before[0].in_flight == 1
-    router.request_finished(request, result, ok=True)
+    answered(flight)
     assert before[0].in_flight == 0
     router.datastore.record_scrape(before[0].id, EngineMetrics(), 1.0)  # nothing scraped changed
     assert router.datastore.snapshot() is before

@@ -38,9 +38,8 @@ def load(router: Router) -> dict[str, tuple[int, int, int]]:
 def test_a_failover_moves_the_load_and_the_prefix_to_the_pod_that_served() -> None:
     router, _ = router_for(A, B, C)
     request = SchedulingRequest("r", "m", PROMPT)
-    result = router.schedule(request)
-    first, second = result.targets[0], result.targets[1]
-    with router.flight(request, result) as flight:
+    with router.decide(request) as flight:
+        first, second = flight.result.targets[0], flight.result.targets[1]
         flight.send(first)
         assert load(router)[first.host[-1]] == (1, 1, 512)
         flight.failed(first)
@@ -59,9 +58,8 @@ def test_a_failover_moves_the_load_and_the_prefix_to_the_pod_that_served() -> No
 def test_every_attempt_failing_leaves_nothing_anywhere() -> None:
     router, _ = router_for(A, B)
     request = SchedulingRequest("r", "m", PROMPT)
-    result = router.schedule(request)
-    with router.flight(request, result) as flight:
-        for target in result.targets:
+    with router.decide(request) as flight:
+        for target in flight.result.targets:
             flight.send(target)
             flight.failed(target)
     assert all(v == (0, 0, 0) for v in load(router).values())
@@ -71,9 +69,8 @@ def test_every_attempt_failing_leaves_nothing_anywhere() -> None:
 def test_finish_releases_whatever_is_held_even_when_the_caller_raises() -> None:
     router, _ = router_for(A)
     request = SchedulingRequest("r", "m", PROMPT)
-    result = router.schedule(request)
     try:
-        with router.flight(request, result) as flight:
+        with router.decide(request) as flight:
             flight.send(A)
             raise RuntimeError("the upstream read blew up")
     except RuntimeError:
@@ -86,9 +83,8 @@ def test_finish_releases_whatever_is_held_even_when_the_caller_raises() -> None:
 def test_pd_prefill_leg_carries_the_prompt_work_and_decode_only_its_kv() -> None:
     router, _ = router_for(A, P, profile="default")
     request = SchedulingRequest("r", "m", PROMPT)
-    result = router.schedule(request)
-    assert result.prefill == P
-    with router.flight(request, result) as flight:
+    with router.decide(request) as flight:
+        assert flight.result.prefill == P
         flight.send_prefill(P)
         assert load(router)["9"] == (1, 1, 512)
         assert router.datastore.counter(P.id).queued(100.0) == 512  # type: ignore[union-attr]
@@ -101,8 +97,7 @@ def test_pd_prefill_leg_carries_the_prompt_work_and_decode_only_its_kv() -> None
 def test_pd_prefill_failure_puts_the_prompt_work_on_the_decode_pod() -> None:
     router, _ = router_for(A, P, profile="default")
     request = SchedulingRequest("r", "m", PROMPT)
-    result = router.schedule(request)
-    with router.flight(request, result) as flight:
+    with router.decide(request) as flight:
         flight.send_prefill(P)
         flight.prefill_done(ok=False)
         flight.send(A)
@@ -114,8 +109,7 @@ def test_first_tokens_teach_the_router_each_pods_prefill_speed() -> None:
     router, clock = router_for(A)
     for i in range(3):  # three prompts nothing is cached of
         request = SchedulingRequest(f"r{i}", "m", [t + 10_000 * i for t in PROMPT])
-        result = router.schedule(request)
-        with router.flight(request, result) as flight:
+        with router.decide(request) as flight:
             flight.send(A)
             clock.now += 0.768  # 512 uncached tokens + the 256-token step, at 1 ms a token
             flight.first_token()
@@ -127,8 +121,7 @@ def _observe_first_tokens(router: Router, clock: Clock, seconds: list[float], st
     """Send uncached prompts to A one after another, each answering after ``seconds``; A's speed."""
     for i, s in enumerate(seconds, start):
         request = SchedulingRequest(f"r{i}", "m", [t + 10_000 * i for t in PROMPT])
-        result = router.schedule(request)
-        with router.flight(request, result) as flight:
+        with router.decide(request) as flight:
             flight.send(A)
             clock.now += s
             flight.first_token()
@@ -156,8 +149,7 @@ def test_a_pod_that_really_is_slower_is_still_learned_over_a_few_requests() -> N
 def test_non_streamed_requests_are_not_mistaken_for_time_to_first_token() -> None:
     router, clock = router_for(A)
     request = SchedulingRequest("r", "m", PROMPT)
-    result = router.schedule(request)
-    with router.flight(request, result) as flight:
+    with router.decide(request) as flight:
         flight.send(A)
         clock.now += 30.0  # the whole answer came back at once
         flight.first_token(observe=False)

@@ -396,14 +396,14 @@ def test_fingerprints_of_real_vllm_text_prompts_walk_to_every_stored_block() -> 
     import json
     from pathlib import Path
 
-    from kvflow.tokenizer import load_tokenizer
+    from kvflow.tokenizer import load_tokenizer, prompt_token_ids
 
     golden = json.loads((Path(__file__).parents[1] / "golden" / "vllm_kv_events_text.json").read_text())
     size = golden["block_size"]
     tokenizer = load_tokenizer(Path(__file__).parents[1] / "golden" / "tiny-llama-tokenizer")
     router = Router(load_config({"blockSize": size, "kvEvents": {"enabled": False}}), [], tokenizer=tokenizer)
     for i, req in enumerate(golden["requests"]):
-        tokens = router.tokenize(req["body"])
+        tokens = prompt_token_ids(router.tokenizer, req["body"])
         stored_hashes = [to_external(h) for h in hash_request_tokens(tokens, size, seed=golden["pythonhashseed"])]
         assert stored_hashes == req["stored"]
         pod = EndpointId(f"10.0.0.{i + 1}:8000")

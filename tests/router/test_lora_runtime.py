@@ -15,9 +15,8 @@ import aiohttp
 import pytest
 
 from kvflow.errors import NoCapacityError
-from kvflow.router import Router, load_config
+from kvflow.router import Incoming, Router, SchedulingRequest, load_config
 from kvflow.router.plugins.lora_affinity import ROOM, lora_score
-from kvflow.router.request import scheduling_request
 
 RUNTIME = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 LORA_PODS = ("--profile", "instant", "--enable-lora", "--max-loras", "2")
@@ -46,11 +45,10 @@ def router_for(pods: list[Any], **extra: Any) -> Router:
     }), profile="default")
 
 
-def targets(router: Router, model: str) -> list[str]:
+async def targets(router: Router, model: str) -> list[str]:
     body = {"model": model, "prompt": "hello there", "max_tokens": 1}
-    req = scheduling_request(body, {}, router.tokenize(body), request_id=f"r-{time.monotonic_ns()}",
-                             names=router.names)
-    return sorted(t.id for t in router.schedule(req).targets)
+    flight = await router.route(Incoming(body, {}, f"r-{time.monotonic_ns()}", 64))
+    return sorted(t.id for t in flight.result.targets)
 
 
 def learned(router: Router) -> dict[str, frozenset[str] | None]:
@@ -70,20 +68,19 @@ async def test_a_lora_request_goes_only_to_pods_that_have_the_adapter_loaded(lor
     try:
         await eventually(lambda: learned(router) == {a.id: frozenset(), b.id: {"sql"}}, what="adapters learned")
         assert "sql" in router.names.adapters  # a request naming it is a LoRA request
-        assert targets(router, "sql") == [b.id]
-        assert targets(router, "sim-model") == sorted([a.id, b.id])
+        assert await targets(router, "sql") == [b.id]
+        assert await targets(router, "sim-model") == sorted([a.id, b.id])
 
         await lora_call(a, "load", "sql", "/adapters/sql")
         await lora_call(b, "unload", "sql")
         await eventually(lambda: learned(router) == {a.id: {"sql"}, b.id: frozenset()}, what="the move learned")
-        assert targets(router, "sql") == [a.id]
+        assert await targets(router, "sql") == [a.id]
 
         await lora_call(a, "unload", "sql")
         await eventually(lambda: not router.datastore.adapters(), what="the unload learned")
-        body = {"model": "sim-model", "prompt": "hi"}
-        req = scheduling_request(body, {"x-lora": "sql"}, router.tokenize(body), request_id="gone")
+        gone = SchedulingRequest("gone", "sim-model", [1, 2, 3], lora="sql")  # named in a gateway's config, say
         with pytest.raises(NoCapacityError, match="model-filter"):  # vLLM would answer 404: no pod has it
-            router.schedule(req)
+            router.decide(gone)
     finally:
         await router.stop()
 
@@ -110,7 +107,7 @@ async def test_lora_paths_name_adapters_on_pods_that_say_nothing_of_lora(sim_pod
         assert "sql" in router.names.adapters
         await eventually(lambda: all(v.metrics.num_blocks for v in router.datastore.snapshot()), what="scraped")
         assert learned(router) == {p.id: None for p in pods}
-        assert targets(router, "sql") == sorted(p.id for p in pods)
+        assert await targets(router, "sql") == sorted(p.id for p in pods)
     finally:
         await router.stop()
 
@@ -122,6 +119,6 @@ async def test_static_lora_modules_are_learned_like_loaded_ones(sim_pods: Any) -
     await router.start()
     try:
         await eventually(lambda: learned(router) == {a.id: {"sql"}, b.id: {"chat"}}, what="adapters learned")
-        assert (targets(router, "sql"), targets(router, "chat")) == ([a.id], [b.id])
+        assert (await targets(router, "sql"), await targets(router, "chat")) == ([a.id], [b.id])
     finally:
         await router.stop()

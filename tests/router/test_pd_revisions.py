@@ -41,8 +41,8 @@ def test_a_decode_pod_without_a_same_revision_prefill_pod_stays_aggregated() -> 
     pods = [Endpoint("10.0.0.1", 8000, role=Role.DECODE, revision="new"),
             Endpoint("10.0.0.2", 8000, role=Role.PREFILL, revision="old")]
     router = Router(config, pods, profile="least-load")
-    result = router.schedule(SchedulingRequest("r", "", list(range(100))))
+    result = router.decide(SchedulingRequest("r", "", list(range(100)))).result
     assert result.targets[0].host == "10.0.0.1" and result.prefill is None
     router.set_endpoints([*pods, Endpoint("10.0.0.3", 8000, role=Role.PREFILL, revision="new")])
-    result = router.schedule(SchedulingRequest("r2", "", list(range(100, 200))))
+    result = router.decide(SchedulingRequest("r2", "", list(range(100, 200)))).result
     assert result.prefill is not None and result.prefill.host == "10.0.0.3"

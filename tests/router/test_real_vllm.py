@@ -16,6 +16,7 @@ import pytest
 from kvflow.endpoints import EndpointId
 from kvflow.local.procs import ProcessGroup, free_port
 from kvflow.router import Router, SchedulingRequest, load_config
+from kvflow.tokenizer import prompt_token_ids
 
 pytestmark = [
     pytest.mark.real_vllm,
@@ -66,7 +67,7 @@ async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
             "max_tokens": 2,
             "temperature": 0,
         }
-        tokens = router.tokenize(body)
+        tokens = prompt_token_ids(router.tokenizer, body)
         full_blocks = len(tokens) // BLOCK
         assert full_blocks >= 4
         async with aiohttp.ClientSession() as session:
@@ -81,7 +82,7 @@ async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.05)
         # ...and hashed exactly as vLLM did: every full prompt block is found by its hash.
-        result = router.schedule(SchedulingRequest("second", SERVED_MODEL_NAME, tokens))
+        result = router.decide(SchedulingRequest("second", SERVED_MODEL_NAME, tokens)).result
         assert result.cached_tokens == full_blocks * BLOCK
 
 
@@ -127,13 +128,13 @@ async def test_predicted_evictions_agree_with_real_vllm(tmp_path: Path) -> None:
         checked = edge = 0
         async with aiohttp.ClientSession() as session:
             for n, i in enumerate(order):
-                request = SchedulingRequest(f"r{n}", SERVED_MODEL_NAME, prompts[i])
-                result = router.schedule(request)
-                router.request_started(request, result)
+                flight = router.decide(SchedulingRequest(f"r{n}", SERVED_MODEL_NAME, prompts[i]))
+                flight.dispatch()
                 body = {"model": SERVED_MODEL_NAME, "prompt": prompts[i], "max_tokens": 1, "temperature": 0}
                 async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
                     assert resp.status == 200, await resp.text()
-                router.request_finished(request, result, ok=True)
+                flight.first_token(observe=False)
+                flight.finish()
                 sent = [j for j in sent if j != i] + [i]
                 await _events_settle(router, endpoint.id)
                 for age, j in enumerate(reversed(sent[:-1]), start=1):  # blocks sent after prompt j: age x 16

@@ -32,8 +32,8 @@ async def served() -> AsyncIterator[tuple[str, Router]]:
 
 async def test_the_router_serves_the_status_document_and_the_page(served: tuple[str, Router]) -> None:
     url, router = served
-    long = router.schedule(SchedulingRequest("long", "m", list(range(100))))
-    short = router.schedule(SchedulingRequest("short", "m", [1, 2, 3]))
+    long = router.decide(SchedulingRequest("long", "m", list(range(100)))).result
+    short = router.decide(SchedulingRequest("short", "m", [1, 2, 3])).result
     async with aiohttp.ClientSession() as session:
         async with session.get(url + "/v1/kvflow/status") as resp:
             assert resp.status == 200

@@ -72,8 +72,9 @@ def test_the_router_counts_what_it_sends_to_a_pod_in_its_working_set() -> None:
     for pod in pods:
         router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=10_000, block_size=16), 0.0)
     prompt = list(range(16 * 4000))
-    result = router.schedule(SchedulingRequest("r", "m", prompt))
-    router.request_started(SchedulingRequest("r", "m", prompt), result)
+    flight = router.decide(SchedulingRequest("r", "m", prompt))
+    flight.dispatch()
+    result = flight.result
     sent, other = (router.datastore.counter(p.id) for p in (result.targets[0], result.targets[1]))
     assert sent is not None and other is not None
     # The blocks it sampled are exactly the prompt's under this router's (random) secret; how
@@ -181,11 +182,11 @@ def test_the_router_counts_a_reported_prefix_as_evicted_once_a_cacheful_was_sent
     counter = router.datastore.counter(pod.id)
     assert counter is not None
     counter.touched(keys, now=0.0)  # the router sent it there
-    assert router.schedule(SchedulingRequest("a", "m", prompt)).cached_tokens == 3200
+    assert router.decide(SchedulingRequest("a", "m", prompt)).result.cached_tokens == 3200
     counter.touched(blocks(900, seed=2), now=1.0)  # then 900 blocks of other prompts
     # no BlockRemoved yet: only the LRU order says the prompt's tail is gone (999 blocks hold KV)
     expected = 99 * 16 if predict else 3200
-    assert router.schedule(SchedulingRequest("b", "m", prompt)).cached_tokens == expected
+    assert router.decide(SchedulingRequest("b", "m", prompt)).result.cached_tokens == expected
     cuts = router.metrics.registry.get_sample_value("kvflow_router_evictions_predicted_total", {"pool": "default"})
     assert cuts == (1 if predict else 0)
 
@@ -226,8 +227,7 @@ async def test_a_started_router_counts_a_send_once_the_request_is_on_its_way() -
         router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=10_000, block_size=16), 0.0)
         counter = router.datastore.counter(pod.id)
         assert counter is not None
-        request = SchedulingRequest("r", "m", list(range(16 * 400)))
-        router.request_started(request, router.schedule(request))
+        router.decide(SchedulingRequest("r", "m", list(range(16 * 400)))).dispatch()
         assert counter.in_flight == 1 and counter.working_set.tokens == 0
         await asyncio.sleep(0)
         assert counter.working_set.tokens > 0
