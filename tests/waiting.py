@@ -26,7 +26,12 @@ POLL_S = 0.02
 process does not load the machine the test is measuring."""
 
 
-async def eventually(predicate: Callable[[], T | Awaitable[T]], timeout: float = 20.0, what: str = "") -> T:
+Says = str | Callable[[], str]
+"""What a wait was for: a text, or a function that tells it when the wait fails (with what the
+test saw last, say)."""
+
+
+async def eventually(predicate: Callable[[], T | Awaitable[T]], timeout: float = 20.0, what: Says = "") -> T:
     """Until ``predicate()`` (awaited, when it returns an awaitable) is truthy: that value."""
     deadline = time.monotonic() + timeout
     while True:
@@ -36,11 +41,11 @@ async def eventually(predicate: Callable[[], T | Awaitable[T]], timeout: float =
         if result:
             return cast(T, result)
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what or predicate} (last seen: {result!r})")
+            raise AssertionError(_failed(timeout, what or str(predicate), result))
         await asyncio.sleep(POLL_S)
 
 
-def eventually_blocking(predicate: Callable[[], T], timeout: float = 20.0, what: str = "") -> T:
+def eventually_blocking(predicate: Callable[[], T], timeout: float = 20.0, what: Says = "") -> T:
     """``eventually`` for a test that is no coroutine (its I/O blocks: ``urllib``, ``/proc``)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -48,5 +53,9 @@ def eventually_blocking(predicate: Callable[[], T], timeout: float = 20.0, what:
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what or predicate} (last seen: {result!r})")
+            raise AssertionError(_failed(timeout, what or str(predicate), result))
         time.sleep(POLL_S)
+
+
+def _failed(timeout: float, what: Says, last: object) -> str:
+    return f"not within {timeout:g}s: {what if isinstance(what, str) else what()} (last seen: {last!r})"

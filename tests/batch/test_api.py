@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,12 +12,14 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.server import RunningGateway, start_gateway
 from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPod, SimPodFactory
 from tests.gateway.fakes import FakePod, ScriptedRouter
+from tests.waiting import eventually
 
 MODEL = "sim-model"
 
@@ -49,13 +50,28 @@ async def client(sim_pods: SimPodFactory, tmp_path: Path) -> AsyncIterator[opena
 
 
 async def finished(client: openai.AsyncOpenAI, batch_id: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def ended() -> Any:
         batch = await client.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "cancelled", "expired"):
-            return batch
-        assert time.monotonic() < deadline, f"{batch.status} {batch.request_counts}"
-        await asyncio.sleep(0.05)
+        return batch if batch.status in ("completed", "failed", "cancelled", "expired") else None
+
+    return await eventually(ended, timeout, what=f"batch {batch_id} to end")
+
+
+async def completed(client: openai.AsyncOpenAI, batch_id: str) -> int:
+    counts = (await client.batches.retrieve(batch_id)).request_counts
+    assert counts is not None
+    return counts.completed
+
+
+def routable(running: RunningGateway, endpoint: str) -> float | None:
+    """The gateway's ``kvflow_router_endpoint_healthy`` for ``endpoint`` (None before it is rendered)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{running.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvflow_router_endpoint_healthy" and sample.labels.get("endpoint") == endpoint:
+                return float(sample.value)
+    return None
 
 
 async def lines(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -158,8 +174,10 @@ async def test_cancel_stops_new_lines_and_keeps_finished_ones(sim_pods: SimPodFa
         upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                             completion_window="24h")
-        while (await client.batches.retrieve(batch.id)).request_counts.completed < 8:  # type: ignore[union-attr]
-            await asyncio.sleep(0.02)
+        async def eight_done() -> bool:
+            return await completed(client, batch.id) >= 8
+
+        await eventually(eight_done, timeout=60, what="8 lines to complete")
         cancelling = await client.batches.cancel(batch.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at
         done = await finished(client, batch.id, timeout=10)
@@ -208,8 +226,14 @@ async def test_lines_wait_for_unreachable_pods_and_run_when_they_come_back(tmp_p
                                            purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                             completion_window="24h")
-        await asyncio.sleep(1.5)  # the pod has not answered a scrape: lines wait for it
-        assert (await client.batches.retrieve(batch.id)).request_counts.completed == 0  # type: ignore[union-attr]
+        async def waiting_for_the_pod() -> Any:
+            """The batch has begun, and the gateway has found the pod unreachable."""
+            now = await client.batches.retrieve(batch.id)
+            seen = await asyncio.to_thread(routable, running, down.id)
+            return now if now.status == "in_progress" and seen == 0 else None
+
+        begun = await eventually(waiting_for_the_pod, what="the batch to run while its pod is unreachable")
+        assert (begun.request_counts.completed, begun.request_counts.failed) == (0, 0)  # its lines wait
         with ProcessGroup(tmp_path / "late") as group:
             group.start("pod", kvflow_argv("sim", "--host", "127.0.0.2", "--port", str(port), "--model", MODEL,
                                            "--profile", "instant"), ready_url=f"{down.url}/health")

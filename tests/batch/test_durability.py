@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import openai
 from kvflow.local.procs import ProcessGroup, free_port, kvflow_argv
 from tests.conftest import SimPodFactory
 from tests.pids import pids_with, wait_exited
+from tests.waiting import eventually_blocking
 
 MODEL = "sim-model"
 
@@ -40,14 +41,17 @@ def batch_status(url: str, batch_id: str) -> Any:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=2).batches.retrieve(batch_id)
 
 
-def wait_for(url: str, batch_id: str, done: Any, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_for(url: str, batch_id: str, done: Callable[[Any], bool], timeout: float = 120) -> Any:
+    """The batch as ``url`` reports it, once ``done`` holds for it."""
+    batch: Any = None
+
+    def reported() -> Any:
+        nonlocal batch
         batch = batch_status(url, batch_id)
-        if done(batch):
-            return batch
-        time.sleep(0.1)
-    raise AssertionError(f"batch {batch_id} still {batch.status} {batch.request_counts} after {timeout}s")
+        return batch if done(batch) else None
+
+    return eventually_blocking(reported, timeout,
+                               what=lambda: f"batch {batch_id}, still {batch.status} {batch.request_counts}")
 
 
 def custom_ids(url: str, batch: Any) -> Counter[str]:
