@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
+
+from tests.waiting import eventually_blocking
 
 from .cases import CASES, MODEL, Case
 from .facts import facts, same
@@ -74,17 +75,22 @@ def test_load_counts_the_requests_in_flight(target: Target) -> None:
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     resp.readline()
-    with urllib.request.urlopen(target.url + "/load", timeout=10) as r:
-        during = json.loads(r.read())
+    during = _load(target)
     conn.close()
-    deadline = time.monotonic() + 10
-    while True:
-        with urllib.request.urlopen(target.url + "/load", timeout=10) as r:
-            after = json.loads(r.read())
-        if after == GOLDEN["load"]["after_it_closed"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert (during, after) == (GOLDEN["load"]["during_one_stream"], GOLDEN["load"]["after_it_closed"])
+    after = None
+
+    def dropped() -> bool:  # the server notices the closed connection a moment later
+        nonlocal after
+        after = _load(target)
+        return bool(after == GOLDEN["load"]["after_it_closed"])
+
+    eventually_blocking(dropped, timeout=10, what=lambda: f"/load to drop the closed stream: {after}")
+    assert during == GOLDEN["load"]["during_one_stream"]
+
+
+def _load(target: Target) -> Any:
+    with urllib.request.urlopen(target.url + "/load", timeout=10) as r:
+        return json.loads(r.read())
 
 
 def _counters(target: Target) -> dict[str, float]:
@@ -105,13 +111,15 @@ def _sibling_deltas(target: Target) -> dict[str, float]:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert len(json.loads(r.read())["choices"]) == 3
-    deadline = time.monotonic() + 5
-    while True:  # vLLM updates its counters just after the answer
+    after = before
+
+    def counted() -> bool:  # vLLM updates its counters just after the answer
+        nonlocal after
         after = _counters(target)
-        done = after["vllm:request_success_total"] - before["vllm:request_success_total"] >= 3
-        if done or time.monotonic() > deadline:
-            return {k: after[k] - before[k] for k in after}
-        time.sleep(0.05)
+        return after["vllm:request_success_total"] - before["vllm:request_success_total"] >= 3
+
+    eventually_blocking(counted, timeout=5, what=lambda: f"three more successes counted: {after}")
+    return {k: after[k] - before[k] for k in after}
 
 
 @pytest.fixture(scope="module")
