@@ -27,7 +27,7 @@ was ahead of it, is the pod's observed prefill speed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.router.model import LoadCounter
@@ -46,14 +46,23 @@ one such outlier marks the pod slow, the pod then gets no requests, and no first
 correct it while the others take its share (bench/RESULTS.md, "The pool's speed"). A pod that
 really is slower still shows it, over a few requests."""
 
-Learn = Callable[[Endpoint, bool], None]
-"""Called with (endpoint, prefill leg?) when a pod is sent the request, when its prefill there
-ends (``prefilled``: first token, answer, failure or end; maybe more than once), or when it is
-undone there."""
 
+class Beliefs(Protocol):
+    """What else one request's flight teaches, beyond the load it puts on pods: the router's
+    beliefs about where prompts are cached and which pods answer (``Router`` gives each flight
+    its own). Each call names the pod and whether it is the prefill leg."""
 
-def _nothing(endpoint: Endpoint, prefill: bool) -> None:
-    pass
+    def sent(self, endpoint: Endpoint, prefill: bool) -> None:
+        """The pod was sent the request."""
+
+    def prefilled(self, endpoint: Endpoint, prefill: bool) -> None:
+        """Its prefill there ended: first token, answer, failure or end (maybe more than once)."""
+
+    def undone(self, endpoint: Endpoint, prefill: bool) -> None:
+        """The attempt there failed before it answered: nothing of it stays there."""
+
+    def answered(self, endpoint: Endpoint, prefill: bool) -> None:
+        """The pod answered the attempt."""
 
 
 class _Leg:
@@ -104,8 +113,8 @@ class Flight:
     """See the module docstring. Every method is idempotent where a caller could repeat it."""
 
     __slots__ = (
-        "request", "result", "_counter", "_cached_blocks", "_block_size", "_learn", "_forget", "_prefilled",
-        "_clock", "_step_tokens", "_leg", "_prefill", "_remote", "served", "_done", "_answered",
+        "request", "result", "cached_blocks", "beliefs", "_counter", "_block_size", "_clock", "_step_tokens",
+        "_leg", "_prefill", "_remote", "served", "_done",
     )
 
     def __init__(
@@ -116,23 +125,20 @@ class Flight:
         counter: Callable[[EndpointId], LoadCounter | None],
         cached_blocks: Mapping[EndpointId, int],
         block_size: int,
-        learn: Learn,
-        forget: Learn,
         clock: Callable[[], float],
+        beliefs: Beliefs,
         step_tokens: int = 0,
-        prefilled: Learn | None = None,
-        answered: Learn | None = None,
     ) -> None:
         self.request = request
+        """What was decided on."""
         self.result = result
+        """The decision: ``targets[0]`` the pick, then the fallbacks; ``prefill`` P/D's prefill pod."""
+        self.cached_blocks = cached_blocks
+        """Leading blocks of the prompt each pod was believed to hold when the decision was made."""
+        self.beliefs = beliefs
+        """Told each step, for what it teaches beyond load (the router's indexes, passive health)."""
         self._counter = counter
-        self._cached_blocks = cached_blocks
         self._block_size = block_size
-        self._learn = learn
-        self._forget = forget
-        self._prefilled = prefilled or _nothing
-        self._answered = answered or _nothing
-        """Told when a pod answered an attempt (passive health counts its failures in a row)."""
         self._clock = clock
         self._step_tokens = step_tokens
         self._leg: _Leg | None = None
@@ -148,7 +154,7 @@ class Flight:
 
     def uncached(self, endpoint: Endpoint) -> int:
         """Prompt tokens ``endpoint`` must compute, as the router believes (vLLM always computes one)."""
-        cached = self._cached_blocks.get(endpoint.id, 0) * self._block_size
+        cached = self.cached_blocks.get(endpoint.id, 0) * self._block_size
         return max(1, self.prompt_tokens - cached)
 
     # -- P/D: the prefill leg --------------------------------------------------------------
@@ -158,7 +164,7 @@ class Flight:
             return
         work = self.uncached(endpoint)
         self._prefill = _Leg(endpoint, self._counter(endpoint.id), work, work, self._clock())
-        self._learn(endpoint, True)
+        self.beliefs.sent(endpoint, True)
 
     def prefill_done(self, *, ok: bool) -> None:
         """The prefill pod answered (its KV is ready to pull) or failed (decode computes the prompt)."""
@@ -168,12 +174,12 @@ class Flight:
         if ok:
             leg.prefilled()
             self._observe(leg)
-            self._answered(leg.endpoint, True)
+            self.beliefs.answered(leg.endpoint, True)
         leg.release(self._clock(), undo=not ok)
         self._remote = ok
-        self._prefilled(leg.endpoint, True)
+        self.beliefs.prefilled(leg.endpoint, True)
         if not ok:
-            self._forget(leg.endpoint, True)
+            self.beliefs.undone(leg.endpoint, True)
 
     # -- attempts on decode / aggregated pods ----------------------------------------------
 
@@ -195,7 +201,7 @@ class Flight:
         blocks = self.uncached(endpoint)  # pulled or computed, the pod holds them
         work = 0 if self._remote else blocks
         self._leg = _Leg(endpoint, self._counter(endpoint.id), work, blocks, self._clock())
-        self._learn(endpoint, False)
+        self.beliefs.sent(endpoint, False)
 
     def failed(self, endpoint: Endpoint) -> None:
         """The attempt on ``endpoint`` failed before it answered: nothing of it stays there."""
@@ -204,14 +210,14 @@ class Flight:
             return
         self._leg = None
         leg.release(self._clock(), undo=True)
-        self._forget(endpoint, False)
+        self.beliefs.undone(endpoint, False)
 
     def first_token(self, *, observe: bool = True) -> None:
         """The serving pod produced its first token (``observe``: the time is a real TTFT)."""
         leg = self._leg
         if leg is None or not leg.prefilled():
             return
-        self._prefilled(leg.endpoint, False)
+        self.beliefs.prefilled(leg.endpoint, False)
         self.served = leg.endpoint
         if observe and not self._remote:
             self._observe(leg)
@@ -227,9 +233,9 @@ class Flight:
         if leg is not None:
             self.served = leg.endpoint
             if not leg.prefilling:  # it answered, and did not fail before the end (a stream may stall)
-                self._answered(leg.endpoint, False)
+                self.beliefs.answered(leg.endpoint, False)
             leg.release(self._clock(), undo=False)
-            self._prefilled(leg.endpoint, False)
+            self.beliefs.prefilled(leg.endpoint, False)
 
     def _observe(self, leg: _Leg) -> None:
         """The pod's prefill speed: time to first token over the work that was ahead, its own, a step."""

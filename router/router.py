@@ -281,47 +281,9 @@ class Router:
         """The accounting of a decided request. ``hashes``: the prompt's fingerprints, which the
         indexes learn where it is sent (None: the decision did not read them, nothing to learn);
         ``matches``: the leading blocks each pod was believed to hold."""
-        learned: list[int] | None = None
-        guesses: dict[tuple[EndpointId, bool], set[int]] = {}  # the legs' speculative guesses, until prefilled
-        # the approximate index is read for pods that send KV events only by some profiles'
-        # plugins: a decision by others teaches it only about the pods that send none (teaching is work on every send)
-        routed = [self.profiles.get(n) for n in (result.profile, self.config.pd_prefill_profile) if n]
-        teach_all = any(p is None or p.reads_routed for p in routed)
-
-        def learn(endpoint: Endpoint, prefill: bool) -> None:
-            nonlocal learned
-            if hashes is not None:
-                now = self._clock()
-                if hashes.num_blocks:  # (a prompt shorter than a block teaches nothing)
-                    learned = learned if learned is not None else hashes.all()
-                    if teach_all or endpoint.id not in self.event_sources:
-                        self.approx.add(endpoint.id, learned)
-                    guess = self.speculative.add(endpoint.id, learned, now)
-                    if guess is not None:
-                        guesses[endpoint.id, prefill] = guess
-                counter = self.datastore.counter(endpoint.id)
-                if counter is not None:  # a long prompt's touch is real work: after the request is sent
-                    self._later(self._touch, counter, hashes.array)
-            if not prefill:
-                for hook in self._hooks:
-                    hook.request_started(request, _served_by(result, endpoint))
-
-        def prefilled(endpoint: Endpoint, prefill: bool) -> None:
-            guess = guesses.pop((endpoint.id, prefill), None)
-            if guess is not None:
-                self.speculative.prefilled(endpoint.id, guess)
-
-        def forget(endpoint: Endpoint, prefill: bool) -> None:
-            self._attempt_failed(endpoint)
-            prefilled(endpoint, prefill)
-            if learned is not None:
-                self.approx.discard(endpoint.id, learned)
-                self.speculative.discard(endpoint.id, learned)
-
         return Flight(
-            request, result, counter=self.datastore.counter, cached_blocks=matches,
-            block_size=self.config.block_size, learn=learn, forget=forget, prefilled=prefilled, clock=self._clock,
-            step_tokens=self.config.step_tokens, answered=self._attempt_answered,
+            request, result, counter=self.datastore.counter, cached_blocks=matches, block_size=self.config.block_size,
+            clock=self._clock, beliefs=_Lesson(self, request, result, hashes), step_tokens=self.config.step_tokens,
         )
 
     def _attempt_failed(self, endpoint: Endpoint) -> None:
@@ -331,9 +293,6 @@ class Router:
             self.metrics.ejections.labels(self.config.pool_name, endpoint.id).inc()
             log.warning("ejected %s for %.0f s after %d failed requests in a row", endpoint.id,
                         self.outliers.pods[endpoint.id].until - self._clock(), self.outliers.policy.consecutive_failures)
-
-    def _attempt_answered(self, endpoint: Endpoint, prefill: bool) -> None:
-        self.outliers.succeeded(endpoint.id)
 
     def _readmit(self, now: float) -> None:
         for eid in self.outliers.due(now):
@@ -406,6 +365,60 @@ class Router:
                 task = asyncio.get_running_loop().create_task(closer(endpoint.id))
                 self._removals.add(task)
                 task.add_done_callback(self._removals.discard)
+
+
+class _Lesson:
+    """What one request's flight teaches its router (``kvflow.router.flight.Beliefs``): where
+    its prompt's blocks now are (the approximate index, a speculative guess until its prefill
+    there ends, the pod's working set), taken back where an attempt fails; the plugins'
+    ``StartedHook``s, told where it went; passive health, told which pods answer and which fail."""
+
+    __slots__ = ("_router", "_request", "_result", "_hashes", "_teach_all", "_learned", "_guesses")
+
+    def __init__(self, router: Router, request: SchedulingRequest, result: SchedulingResult,
+                 hashes: PromptFingerprints | None) -> None:
+        self._router, self._request, self._result, self._hashes = router, request, result, hashes
+        # the approximate index is read for pods that send KV events only by some profiles'
+        # plugins: a decision by others teaches it only about the pods that send none (teaching is work on every send)
+        routed = [router.profiles.get(n) for n in (result.profile, router.config.pd_prefill_profile) if n]
+        self._teach_all = any(p is None or p.reads_routed for p in routed)
+        self._learned: list[int] | None = None
+        """The prompt's fingerprints as the indexes take them, once it was sent somewhere."""
+        self._guesses: dict[tuple[EndpointId, bool], set[int]] = {}
+        """Each leg's speculative guess, until its prefill ends."""
+
+    def sent(self, endpoint: Endpoint, prefill: bool) -> None:
+        router, hashes = self._router, self._hashes
+        if hashes is not None:
+            if hashes.num_blocks:  # (a prompt shorter than a block teaches nothing)
+                learned = self._learned = self._learned if self._learned is not None else hashes.all()
+                if self._teach_all or endpoint.id not in router.event_sources:
+                    router.approx.add(endpoint.id, learned)
+                guess = router.speculative.add(endpoint.id, learned, router._clock())
+                if guess is not None:
+                    self._guesses[endpoint.id, prefill] = guess
+            counter = router.datastore.counter(endpoint.id)
+            if counter is not None:  # a long prompt's touch is real work: after the request is sent
+                router._later(router._touch, counter, hashes.array)
+        if not prefill:
+            for hook in router._hooks:
+                hook.request_started(self._request, _served_by(self._result, endpoint))
+
+    def prefilled(self, endpoint: Endpoint, prefill: bool) -> None:
+        guess = self._guesses.pop((endpoint.id, prefill), None)
+        if guess is not None:
+            self._router.speculative.prefilled(endpoint.id, guess)
+
+    def undone(self, endpoint: Endpoint, prefill: bool) -> None:
+        router = self._router
+        router._attempt_failed(endpoint)
+        self.prefilled(endpoint, prefill)
+        if self._learned is not None:
+            router.approx.discard(endpoint.id, self._learned)
+            router.speculative.discard(endpoint.id, self._learned)
+
+    def answered(self, endpoint: Endpoint, prefill: bool) -> None:
+        self._router.outliers.succeeded(endpoint.id)
 
 
 def _now(fn: Callable[..., object], *args: object) -> None:
