@@ -26,7 +26,7 @@ class SchedulingRequest:
     request_id: str
     model: str
     token_ids: Sequence[int]
-    """Prompt token ids, tokenised with the pool's tokenizer (``Router.tokenize``)."""
+    """Prompt token ids, tokenised with the pool's tokenizer (``kvflow.router.request.tokens_off_loop``)."""
     headers: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     """Lower-case header names (session affinity, LoRA, priority)."""
     lora: str | None = None
