@@ -576,6 +576,11 @@ class HttpServer:
     def open_connections(self) -> int:
         return len(self._state.conns)
 
+    @property
+    def idle_connections(self) -> int:
+        """Open connections between requests: those the connection cap may close to make room."""
+        return len(self._state.idle)
+
     def close(self) -> None:
         """Stop listening and close idle keep-alive connections; answers in progress go on."""
         self._server.close()
