@@ -16,6 +16,7 @@ import pytest
 
 from kvflow.gateway.body import scrub_answer
 from tests.gateway.test_app import COMPLETION, Stack, make_stack
+from tests.waiting import eventually
 
 FAST = {"http": {"header_timeout": 0.3, "body_timeout": 0.3, "keep_alive_timeout": 0.3, "write_timeout": 0.3}}
 BODY = json.dumps(COMPLETION).encode()
@@ -257,7 +258,9 @@ async def test_at_the_connection_cap_idle_connections_make_room_then_newcomers_g
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /v1/completions HTTP/1.1\r\n")
         slow.append(writer)
-    await asyncio.sleep(0.1)
+    server = stack.gateway.server
+    await eventually(lambda: (server.open_connections, server.idle_connections) == (2, 0),
+                     what="both slow requests begun, no idle connection left")
     [(status, headers, body)] = answers(await exchange(stack, post()))
     assert (status, headers["retry-after"], openai_error(body)["type"]) == (503, "1", "ServiceUnavailableError")
     for writer in idle + slow:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from kvflow.gateway.config import GatewayConfig
 from kvflow.gateway.server import RunningGateway, start_gateway
 from kvflow.protocol.vllm_metrics import parse_metrics
 from tests.conftest import SimPod
+from tests.waiting import eventually
 
 MODEL = "tiny"
 
@@ -42,12 +42,12 @@ async def running_on(session: aiohttp.ClientSession, pod: SimPod) -> int:
         return parse_metrics(await r.text()).running
 
 
-async def eventually_running(session: aiohttp.ClientSession, pod: SimPod, n: int, timeout: float = 20.0) -> None:
+async def eventually_running(session: aiohttp.ClientSession, pod: SimPod, n: int) -> None:
     """Until the pod (another process) says it runs ``n`` requests."""
-    deadline = time.monotonic() + timeout
-    while (got := await running_on(session, pod)) != n:
-        assert time.monotonic() < deadline, f"the pod runs {got} requests, not {n}"
-        await asyncio.sleep(0.02)
+    async def runs_n() -> bool:
+        return await running_on(session, pod) == n
+
+    await eventually(runs_n, what=f"the pod to run {n} requests")
 
 
 def in_flight(running: RunningGateway) -> int:

@@ -9,7 +9,6 @@ Runs only with ``KVFLOW_REAL_VLLM=1`` (two vLLM servers: ~3 GB RAM each, ~90 s t
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import pytest
 
 from kvflow.local.procs import ProcessGroup, kvflow_argv
 from tests.conftest import free_port
+from tests.waiting import eventually
 
 pytestmark = [
     pytest.mark.real_vllm,
@@ -39,15 +39,10 @@ def metric(url: str, name: str) -> float:
 
 
 async def pulled_since(decode_url: str, before: float, wait: float = 10.0) -> float:
-    """Prompt tokens the decode server has pulled since ``before`` (its counter is updated as the
-    engine's stats reach the API server, a moment after the answer: waited for a while)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
-    while True:
-        pulled = metric(decode_url, "vllm:external_prefix_cache_hits_total") - before
-        if pulled > 0 or loop.time() > deadline:
-            return pulled
-        await asyncio.sleep(0.5)
+    """Prompt tokens the decode server has pulled since ``before``, once there are some (its
+    counter is updated as the engine's stats reach the API server, a moment after the answer)."""
+    return await eventually(lambda: metric(decode_url, "vllm:external_prefix_cache_hits_total") - before, wait,
+                            what="the decode server to count prompt tokens pulled from the prefill server")
 
 
 async def completion_from_a_gone_prefill(prefill_url: str, decode_url: str, model: str) -> str:
