@@ -170,7 +170,12 @@ def test_a_removal_ends_a_guess_only_once_its_request_is_prefilled() -> None:
     assert len(guess) == 2
     guess.discard(A, [14])  # a store event: the index knows it now
     guess.expire(2.0)  # the waiting guess ends with its time
-    assert len(guess) == 0 and not guess._waiting
+    assert len(guess) == 0
+    later = guess.add(A, [14], now=3.0)
+    assert later is not None
+    guess.prefilled(A, later)
+    guess.removed(A, [14])  # the expired request no longer waits there: nothing keeps block 14
+    assert len(guess) == 0
 
 
 def test_a_guess_does_not_bridge_a_gap_in_what_the_pod_holds() -> None:
