@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,7 +345,7 @@ def plot_cdf(rows: Sequence[Row], title: str, path: Path) -> None:
     ax.axhline(0.99, color="grey", linewidth=0.5)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
