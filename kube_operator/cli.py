@@ -18,9 +18,9 @@ from kvflow.operator.spec import InvalidSpecError
 from kvflow.cliargs import Parser
 
 
-def _parser() -> Parser:
-    parser = Parser(prog="kvflow operator", description="The kvflow Kubernetes operator.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> Parser:
+    p = Parser(prog="kvflow operator", description="The kvflow Kubernetes operator.")
+    sub = p.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render", allow_abbrev=False, help="print, as YAML, every child object of the LLMService(s) in FILE")
     render.add_argument("file", help="a YAML file with LLMService documents ('-' for stdin)")
     render.add_argument("--kvflow-image", default=None, help="image of the kvflow components")
@@ -42,7 +42,7 @@ def _parser() -> Parser:
     run.add_argument("--lease-namespace", default=os.environ.get("KVFLOW_LEASE_NAMESPACE"),
                      help="its namespace (default: the pod's, from POD_NAMESPACE or the service account)")
     run.add_argument("--verbose", "-v", action="store_true")
-    return parser
+    return p
 
 
 def _images(kvflow: str | None, vllm: str | None) -> names.Images:
@@ -85,7 +85,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    args = parser().parse_args(list(argv) if argv is not None else None)
     if args.command == "render":
         return render_command(args.file, _images(args.kvflow_image, args.vllm_image))
     return run_command(args)

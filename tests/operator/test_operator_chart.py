@@ -61,9 +61,9 @@ def test_operator_deployment_runs_the_cli() -> None:
     assert container["command"] == ["kvflow"]
     assert container["args"] == ["operator", "run", "--namespace=llm", "--namespace=team-a", "--verbose",
                                  "--lease-name=kvflow"]
-    from kvflow.operator.cli import _parser
+    from kvflow.operator.cli import parser
 
-    parsed = _parser().parse_args(container["args"][1:])
+    parsed = parser().parse_args(container["args"][1:])
     assert parsed.leader_election and parsed.lease_name == "kvflow"
 
 
