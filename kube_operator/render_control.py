@@ -17,6 +17,7 @@ from kvflow.operator.render_picker import (
     picker_service,
 )
 from kvflow.operator.render_pools import NON_ROOT, rendered_roles, workload_kind
+from kvflow.operator.render_replicas import HOSTNAME, replica_budget, rolling_update, spread_over_nodes
 from kvflow.operator.spec import CUSTOM_PROFILE, InvalidSpecError, LLMService, PoolRole
 from kvflow.protocol.vllm_metrics import WAITING
 from kvflow.router.config import load_config
@@ -77,19 +78,27 @@ def gateway_config(svc: LLMService) -> dict[str, Any]:
 BATCH_DIR = "/var/lib/kvflow/batches"
 
 
-def _batch_volume(svc: LLMService) -> tuple[Obj, Obj, Obj | None]:
+def _batch_volume(svc: LLMService) -> tuple[Obj, Obj]:
     """The Batch API's writable directory (the root filesystem is read-only): the LLMService's
-    claim, or an emptyDir. Replicas sharing a claim share one SQLite database through one node's
-    filesystem (a ReadWriteOnce volume; SQLite's locks do not hold over NFS), so they are kept on
-    the node that mounts it."""
+    claim, or an emptyDir."""
     claim = svc.spec.gateway.batch_claim
     source: Obj = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
-    affinity = None
-    if claim and svc.spec.gateway.replicas > 1:
-        affinity = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-            "labelSelector": {"matchLabels": names.selector_labels(svc, "gateway")},
-            "topologyKey": "kubernetes.io/hostname"}]}}
-    return {"name": "batches", **source}, {"name": "batches", "mountPath": BATCH_DIR}, affinity
+    return {"name": "batches", **source}, {"name": "batches", "mountPath": BATCH_DIR}
+
+
+def _gateway_placement(svc: LLMService) -> Obj:
+    """Where the gateway's replicas go: on different nodes, unless they share a batch claim.
+
+    Replicas sharing a claim share one SQLite database through one node's filesystem (a
+    ReadWriteOnce volume; SQLite's locks do not hold over NFS), so they are all kept on the node
+    that mounts it, and spreading them would only leave replicas unable to start. That holds
+    for a single replica too: its rolling update's surge pod must start where the claim is
+    attached, or it waits forever for the volume the old pod holds.
+    """
+    if svc.spec.gateway.batch_claim is None:
+        return spread_over_nodes(svc, "gateway")
+    return {"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "labelSelector": {"matchLabels": names.selector_labels(svc, "gateway")}, "topologyKey": HOSTNAME}]}}}
 
 
 def _secret_storage(volume: str, secret: str, path: str) -> volumes.Storage:
@@ -138,8 +147,10 @@ def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
 
 
 def picker_objects(svc: LLMService, images: names.Images) -> list[Obj]:
-    """The InferencePool's endpoint picker: kvflow's router, or GIE's EPP (routing.picker)."""
-    return gie_objects(svc) if svc.spec.routing.picker == "gie" else router_objects(svc, images)
+    """The InferencePool's endpoint picker: kvflow's router, or GIE's EPP (routing.picker), and
+    the disruption budget of its replicas."""
+    objs = gie_objects(svc) if svc.spec.routing.picker == "gie" else router_objects(svc, images)
+    return objs + replica_budget(svc, "router", svc.spec.routing.replicas)
 
 
 def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
@@ -153,10 +164,11 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
                                                      gateway_config(svc), names.CONFIG_DIR)
     command, arguments = args.gateway(svc)
     storage = volumes.with_image(volumes.tokenizer_storage(svc)[0], images.kvflow, NON_ROOT)
-    batch_volume, batch_mount, affinity = _batch_volume(svc)
+    batch_volume, batch_mount = _batch_volume(svc)
     deployment = new(svc, "apps/v1", "Deployment", name, "gateway")
     deployment["spec"] = {
         "replicas": gateway.replicas,
+        "strategy": rolling_update(),
         "selector": {"matchLabels": names.selector_labels(svc, "gateway")},
         "template": {
             "metadata": {"labels": names.labels(svc, "gateway"),
@@ -177,20 +189,17 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
                 "volumes": [volume, *storage.volumes, batch_volume],
                 **({"initContainers": list(storage.init_containers)} if storage.init_containers else {}),
                 "terminationGracePeriodSeconds": 30,
+                **_gateway_placement(svc),
             },
         },
     }
-    if affinity is not None:
-        deployment["spec"]["template"]["spec"]["affinity"] = affinity
     service = new(svc, "v1", "Service", name, "gateway")
     service["spec"] = {
         "type": gateway.service_type,
         "selector": names.selector_labels(svc, "gateway"),
         "ports": [{"name": "http", "port": gateway.port, "targetPort": "http", "protocol": "TCP"}],
     }
-    budget = new(svc, "policy/v1", "PodDisruptionBudget", name, "gateway")
-    budget["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(svc, "gateway")}}
-    return [config, deployment, service, budget]
+    return [config, deployment, service, *replica_budget(svc, "gateway", gateway.replicas)]
 
 
 def http_route(svc: LLMService) -> Obj:

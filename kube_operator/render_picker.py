@@ -13,6 +13,7 @@ from typing import Any
 from kvflow.operator import args, names
 from kvflow.operator.objects import Obj, config_file, content_hash, new
 from kvflow.operator.render_pools import NON_ROOT
+from kvflow.operator.render_replicas import rolling_update, spread_over_nodes
 from kvflow.operator.spec import LLMService
 from kvflow.router.config import BUILTIN_PLUGINS, BUILTIN_PROFILES
 
@@ -74,6 +75,7 @@ def picker_deployment(svc: LLMService, pod_spec: Obj, config_text: str) -> Obj:
     deployment = new(svc, "apps/v1", "Deployment", names.child_name(svc, "router"), "router")
     deployment["spec"] = {
         "replicas": svc.spec.routing.replicas,
+        "strategy": rolling_update(),
         "selector": {"matchLabels": names.selector_labels(svc, "router")},
         "template": {
             "metadata": {
@@ -81,7 +83,7 @@ def picker_deployment(svc: LLMService, pod_spec: Obj, config_text: str) -> Obj:
                 # A config change restarts the picker: it reads the file once at start.
                 "annotations": {"kvflow.io/config-hash": content_hash(config_text)},
             },
-            "spec": pod_spec,
+            "spec": {**pod_spec, **spread_over_nodes(svc, "router")},
         },
     }
     return deployment

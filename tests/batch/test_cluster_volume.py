@@ -37,7 +37,7 @@ def test_without_a_claim_batches_live_in_an_empty_dir() -> None:
     pod, config = gateway_pod()
     assert batches_volume(pod) == {"name": "batches", "emptyDir": {}}
     assert config["batch"] == {"dir": BATCH_DIR}
-    assert "affinity" not in pod
+    assert "podAffinity" not in pod["affinity"]  # nothing ties the replicas to one node
 
 
 def test_a_claim_is_mounted_and_replicas_stay_on_its_node() -> None:
@@ -48,6 +48,9 @@ def test_a_claim_is_mounted_and_replicas_stay_on_its_node() -> None:
     assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
 
 
-def test_one_replica_with_a_claim_needs_no_affinity() -> None:
+def test_one_replica_with_a_claim_keeps_its_update_on_the_claims_node() -> None:
+    """The rolling update's surge pod must start where the old pod holds the claim."""
     pod, _ = gateway_pod(batchClaim="llm-batches")
-    assert batches_volume(pod)["persistentVolumeClaim"] == {"claimName": "llm-batches"} and "affinity" not in pod
+    assert batches_volume(pod)["persistentVolumeClaim"] == {"claimName": "llm-batches"}
+    [term] = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"

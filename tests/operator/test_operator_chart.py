@@ -77,8 +77,10 @@ def test_operator_is_highly_available_by_default() -> None:
     anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == \
         "kubernetes.io/hostname"
+    [spread] = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
     budget = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
-    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["maxUnavailable"] == 1 and budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     role = next(d for d in docs if d["kind"] == "Role")
     assert role["metadata"]["namespace"] == "kvflow-system"
     assert role["rules"] == [
@@ -89,6 +91,7 @@ def test_operator_is_highly_available_by_default() -> None:
     assert {d["kind"] for d in single} >= {"Deployment"} and "Role" not in {d["kind"] for d in single}
     args = next(d for d in single if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-1] == "--no-leader-election" and "PodDisruptionBudget" not in {d["kind"] for d in single}
+    assert "topologySpreadConstraints" not in next(d for d in single if d["kind"] == "Deployment")["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize("bad", ["operator.interval=-1", "bogus=1", "operator.replicas=0", "image.pullPolicy=Sometimes",

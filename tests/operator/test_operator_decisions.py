@@ -164,7 +164,7 @@ def test_scale_only_change_rolls_nothing() -> None:
 
 
 def test_children_no_longer_rendered_are_deleted() -> None:
-    old = service()
+    old = service(gateway={"replicas": 2})  # two replicas: a disruption budget too
     new = service(gateway={"mode": "none"})
     decided = plan(new, render(new), running(render(old)))
     assert decided.delete == [("apps/v1", "Deployment", "sim-llm-gateway"),

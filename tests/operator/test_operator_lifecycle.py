@@ -33,6 +33,7 @@ def sample(port: int) -> dict[str, Any]:
     body["metadata"]["name"] = NAME
     body["spec"]["engine"]["port"] = port
     body["spec"]["lifecycle"]["stuckAfterSeconds"] = 10
+    body["spec"]["gateway"] = {"replicas": 2}  # two replicas: a disruption budget to create and delete
     return body
 
 
