@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -56,6 +57,9 @@ def parser() -> Parser:
     p.add_argument("--upstream", metavar="HOST:PORT", help="sidecar: the local vLLM server")
     p.add_argument("--allow-prefiller", action="append", default=[], metavar="ADDR|CIDR|DNS",
                    help="sidecar: a prefill pod (or network, or DNS name) it may send prompts to")
+    p.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM, seconds to finish the requests in flight before exiting (default 25: "
+                        "under Kubernetes' 30 s grace period)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -118,16 +122,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sidecar:
         from kvflow.sidecar.server import serve_sidecar
 
-        run(serve_sidecar(config, args.upstream))
+        run(lambda stopping: cancelled_when(stopping, serve_sidecar(config, args.upstream)))
     else:
-        from kvflow.gateway.server import serve
+        from kvflow.gateway.server import SHUTDOWN_GRACE, serve
 
-        run(serve(config))
+        grace = SHUTDOWN_GRACE if args.shutdown_grace is None else args.shutdown_grace
+        run(lambda stopping: serve(config, stopping, grace))
     return 0
 
 
-def run(main_coro: Any) -> None:
-    """Run on uvloop where it is installed; SIGTERM and SIGINT end the server cleanly."""
+async def cancelled_when(stopping: asyncio.Event, main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` until ``stopping`` is set, then cancel it (a server with no drain of its own)."""
+    task = asyncio.ensure_future(main)
+    waiter = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main(stopping)`` on uvloop where it is installed. SIGTERM or SIGINT sets
+    ``stopping`` (the server drains); a second SIGINT (Ctrl-C again) cancels it at once. A second
+    SIGTERM changes nothing: Kubernetes sends one, then SIGKILL after the grace period."""
     try:
         import uvloop
 
@@ -136,10 +156,17 @@ def run(main_coro: Any) -> None:
         runner = asyncio.run
 
     async def until_signalled() -> None:
-        task = asyncio.ensure_future(main_coro)
+        stopping = asyncio.Event()
+        task = asyncio.ensure_future(main(stopping))
+
+        def interrupted() -> None:
+            if stopping.is_set():
+                task.cancel()
+            stopping.set()
+
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(signal.SIGTERM, stopping.set)
+        loop.add_signal_handler(signal.SIGINT, interrupted)
         try:
             await task
         except asyncio.CancelledError:

@@ -37,12 +37,21 @@ request is still being answered (a malformed or oversized pipelined request) is 
 turn, never in the middle of another answer. Deadlines are checked by one sweep per server every
 ``tick`` seconds, not by a timer per request (a timer costs more than the rest of a request's
 bookkeeping). A client that disconnects cancels its request's handler.
+
+``shutdown(grace)`` stops the server as Kubernetes stops a pod (SIGTERM, then SIGKILL after the
+grace period): it stops listening, having first taken the connections the kernel had already
+accepted for it (closing a listening socket resets those, requests and all); it closes the
+connections between requests, answers every request it has begun reading or has yet to answer,
+each answer saying ``Connection: close`` and its connection closed after it; and it returns
+once no connection is left, or at ``grace``, when it cuts the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -113,7 +122,7 @@ class Responder:
         self.started, self.status = True, status
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n{framing}"]
         lines += [f"{k}: {v}\r\n" for k, v in headers]
-        if not self._keep_alive:
+        if not self._keep_alive or self._conn.last_answer:
             lines.append("Connection: close\r\n")
         lines.append("\r\n")
         return "".join(lines).encode("latin-1")
@@ -195,6 +204,10 @@ class _Server:
         self.bodies = BodyBudget(limits.max_buffered_bodies)
         """Request body bytes held by all connections."""
         self.sweeper: asyncio.TimerHandle | None = None
+        self.draining = False
+        """Shutting down: each connection closes after its last answer, none is kept alive."""
+        self.drained: asyncio.Future[None] | None = None
+        """Set once draining and no connection is left."""
 
     def count(self, reason: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
@@ -215,6 +228,8 @@ class _Server:
     def forget(self, conn: _Connection) -> None:
         self.conns.discard(conn)
         self.idle.pop(conn, None)
+        if self.draining and not self.conns and self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
 
     def sweep(self) -> None:
         now = self.loop.time()
@@ -440,6 +455,8 @@ class _Connection(asyncio.Protocol):
             self.deadline = now + self.limits.header_timeout
         elif self.phase == _BODY:
             self.deadline = now + self.limits.body_timeout
+        elif self.server.draining:
+            self.close_quietly()
         else:
             self.deadline = now + self.limits.keep_alive_timeout
             if not self.closed:
@@ -463,10 +480,16 @@ class _Connection(asyncio.Protocol):
             request.held = 0
         if self.closed:
             return False
-        if not request.keep_alive:
+        if not request.keep_alive or (self.server.draining and not self._pending):
             self.close_quietly()
             return False
         return True
+
+    @property
+    def last_answer(self) -> bool:
+        """The answer being written is this connection's last: the server is shutting down and
+        no pipelined request waits behind it."""
+        return self.server.draining and not self._pending
 
     def _refuse(self, status: int, message: str) -> None:
         """A limit or a parse error: read nothing more; answer in turn, then close."""
@@ -589,6 +612,48 @@ class HttpServer:
             self._state.sweeper = None
         for conn in list(self._state.idle):
             conn.close_quietly()
+
+    async def shutdown(self, grace: float) -> int:
+        """Stop taking connections, finish every request begun, then close (the module's
+        docstring); how many connections were still open after ``grace`` seconds and were cut."""
+        state, loop = self._state, self._state.loop
+        state.draining = True
+        state.drained = loop.create_future()
+        queued = self._accept_queued()
+        self._server.close()  # at once after taking the queue: a connection arriving between is reset
+        for conn in list(state.idle):
+            conn.close_quietly()
+            state.forget(conn)
+        for sock in queued:
+            await loop.connect_accepted_socket(lambda: _Connection(state), sock)
+        if state.conns:
+            try:
+                await asyncio.wait_for(asyncio.shield(state.drained), grace)
+            except TimeoutError:
+                pass
+        cut = len(state.conns)
+        for conn in list(state.conns):
+            conn.abort()
+        if state.sweeper is not None:
+            state.sweeper.cancel()
+            state.sweeper = None
+        return cut
+
+    def _accept_queued(self) -> list[socket.socket]:
+        """The connections the kernel accepted on the listening sockets and the loop has not
+        taken yet."""
+        taken = []
+        for listening in self._server.sockets:
+            with socket.socket(fileno=os.dup(listening.fileno())) as sock:
+                sock.setblocking(False)
+                while True:
+                    try:
+                        conn, _ = sock.accept()
+                    except OSError:  # BlockingIOError: none left
+                        break
+                    conn.setblocking(False)
+                    taken.append(conn)
+        return taken
 
 
 async def serve_http(handler: Handler, fallback: Fallback, host: str, port: int, limits: Limits | None = None, *,

@@ -1,5 +1,12 @@
 """Start and stop a gateway in a running event loop: ``serve(config)`` for the CLI and
-``kvflow up``, ``start_gateway(config)`` for tests that want a handle back."""
+``kvflow up``, ``start_gateway(config)`` for tests that want a handle back.
+
+Stopping is a drain, as Kubernetes stops a pod: once ``stopping`` is set (the CLI sets it on
+SIGTERM), the gateway stops listening, finishes every request it has begun (streams included)
+within the grace period, and only then closes its routers and its connections to the pods. A
+request sent to a replica that is stopping is refused at connect, so a Service or Envoy sends
+it to another replica; none that a replica took is lost.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +34,10 @@ if TYPE_CHECKING:
     from kvflow.gateway.batch.service import BatchService
 
 log = logging.getLogger("kvflow.gateway")
+
+SHUTDOWN_GRACE = 25.0
+"""Seconds a stopping gateway gives its requests in flight: under Kubernetes' default
+``terminationGracePeriodSeconds`` (30), so it exits on its own before the SIGKILL."""
 
 
 async def load_auth(config: AuthConfig) -> auth_mod.Authenticator:
@@ -96,6 +107,11 @@ class RunningGateway:
     port: int
     batch: BatchService | None = None
 
+    async def drain(self, grace: float = SHUTDOWN_GRACE) -> int:
+        """Stop taking requests and finish those begun, for at most ``grace`` seconds; how many
+        connections were cut at the deadline. ``close`` after it."""
+        return await self.server.shutdown(grace)
+
     async def close(self) -> None:
         self.server.close()
         if self.batch is not None:
@@ -128,13 +144,19 @@ async def start_gateway(config: GatewayConfig, routers: Mapping[str, PoolRouter]
     return RunningGateway(gateway, chosen, server, port, batch)
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Run the gateway until cancelled."""
+async def serve(config: GatewayConfig, stopping: asyncio.Event | None = None,
+                grace: float = SHUTDOWN_GRACE) -> None:
+    """Run the gateway until ``stopping`` is set, then drain it for at most ``grace`` seconds
+    (or until cancelled: then it closes at once)."""
     running = await start_gateway(config)
     settle_heap()
     print(f"kvflow gateway listening on http://{config.host}:{running.port} "
           f"(models: {', '.join(p.model for p in config.pools)})", flush=True)
     try:
-        await asyncio.Event().wait()
+        await (stopping or asyncio.Event()).wait()
+        log.warning("kvflow gateway stopping: finishing the requests in flight (at most %gs)", grace)
+        cut = await running.drain(grace)
+        if cut:
+            log.warning("kvflow gateway: %d connections still busy after %gs were cut", cut, grace)
     finally:
         await running.close()
