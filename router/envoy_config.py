@@ -1,7 +1,10 @@
 """An Envoy bootstrap that puts the router in front of a pool, the way the Inference Extension does.
 
 Pure: ``render(...)`` returns the bootstrap as a dict (write it as JSON; Envoy reads both). The
-ext_proc filter streams each request to the router (``FULL_DUPLEX_STREAMED`` bodies); the
+ext_proc filter streams each request to the router (``FULL_DUPLEX_STREAMED`` bodies), or to one
+of several routers (the Inference Extension's N endpoint-picker replicas behind one gateway:
+Envoy spreads the requests' ext_proc streams over them round-robin, each request's whole
+exchange staying on one picker); the
 route sends requests that carry ``x-gateway-destination-endpoint`` to an ORIGINAL_DST cluster
 that connects to exactly that address. Requests without the header (the router was skipped
 because it is down and ``fail_open`` is set) go to a plain round-robin cluster over the pods,
@@ -35,13 +38,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvflow.endpoints import Endpoint
 from kvflow.errors import error_body
 from kvflow.routing_headers import ALLOWABLE, DESTINATION, NEVER_FROM_CLIENTS, PICKED
 
 DESTINATION_HEADER = DESTINATION
+Address = tuple[str, int]
+"""A host and port."""
 _T = "type.googleapis.com/envoy."
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTER_DOWN_STATUS = 508
@@ -96,6 +101,16 @@ def _static_cluster(name: str, endpoints: Sequence[tuple[str, int]], *, http2: b
             }
         }
     return cluster
+
+
+def _pickers(router: Address | Sequence[Address]) -> list[Address]:
+    """One picker's (host, port), or several, as a list of them."""
+    if router and isinstance(router[0], str):
+        return [cast(Address, router)]
+    pickers = list(cast(Sequence[Address], router))
+    if not pickers:
+        raise ValueError("render needs at least one router address")
+    return pickers
 
 
 def _json(data: Any) -> str:
@@ -218,7 +233,7 @@ def _listener(listener: Listener, timeout_s: float, allowed: frozenset[str], exp
 
 def render(
     listeners: Sequence[Listener],
-    router: tuple[str, int],
+    router: Address | Sequence[Address],
     pods: Sequence[Endpoint],
     *,
     admin: tuple[str, int] | None = None,
@@ -227,13 +242,15 @@ def render(
     expose_picked_endpoint: bool = False,
     max_connections: int = 10_000,
 ) -> dict[str, Any]:
-    """The bootstrap. ``allow_client_headers``: kvflow's profile/priority headers clients may send
+    """The bootstrap. ``router``: the picker's (host, port), or every replica's;
+    ``allow_client_headers``: kvflow's profile/priority headers clients may send
     (none by default); ``expose_picked_endpoint``: keep the ``x-kvflow-endpoint`` debug header on
     answers (it names a pod's address, so off by default); ``max_connections``: client
     connections Envoy holds open at once (more are refused)."""
     allowed = frozenset(h.lower() for h in allow_client_headers)
     if allowed - ALLOWABLE:
         raise ValueError(f"clients may only be allowed {', '.join(sorted(ALLOWABLE))}")
+    routers = _pickers(router)
     pool = {
         "name": "pool",
         "type": "ORIGINAL_DST",
@@ -247,7 +264,7 @@ def render(
             "clusters": [
                 pool,
                 _static_cluster("fallback", [(p.host, p.port) for p in pods]),
-                _static_cluster("router", [router], http2=True),
+                _static_cluster("router", routers, http2=True),
             ],
         }
     }

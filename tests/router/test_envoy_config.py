@@ -3,6 +3,8 @@ end-to-end behaviour through a real Envoy is in test_envoy_e2e.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvflow.endpoints import Endpoint
@@ -43,3 +45,21 @@ def test_only_openai_routes_are_forwarded() -> None:
     forwarded = {(r["match"]["path"], r["match"]["headers"][0]["string_match"]["exact"]) for r in routes if "route" in r}
     assert forwarded == {("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET")}
     assert routes[-1]["match"] == {"prefix": "/"} and routes[-1]["direct_response"]["status"] == 404
+
+
+def test_several_pickers_behind_one_envoy_share_its_ext_proc_cluster() -> None:
+    """The Inference Extension's N endpoint-picker replicas: every request's ext_proc stream goes
+    to one of them, round-robin; one picker is the same cluster with one address."""
+    pickers = [("127.0.0.1", 9001), ("127.0.0.1", 9002), ("127.0.0.3", 9001)]
+    clusters = {c["name"]: c for c in render([Listener("127.0.0.1", 1)], pickers, [])["static_resources"]["clusters"]}
+
+    router = clusters["router"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in router["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert addresses == [{"address": h, "port_value": p} for h, p in pickers]
+    assert router["lb_policy"] == "ROUND_ROBIN"
+    assert "http2_protocol_options" in json.dumps(router)  # gRPC
+    one = {c["name"]: c for c in render([Listener("127.0.0.1", 1)], ("127.0.0.1", 9001), [])["static_resources"]["clusters"]}
+    assert one["router"]["load_assignment"]["endpoints"][0]["lb_endpoints"] == \
+        router["load_assignment"]["endpoints"][0]["lb_endpoints"][:1]
+    with pytest.raises(ValueError, match="at least one"):
+        render([Listener("127.0.0.1", 1)], [], [])
