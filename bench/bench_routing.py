@@ -19,6 +19,15 @@ sglang-router ``cache_aware`` and to the oracle, replayed and live, at the same 
         --factors 1.0 --seeds 0 1 2                     # means over three traces, ~15 min
     python bench/bench_routing.py --trace ../shared/traces/mooncake-synthetic_trace.jsonl --trace-scale 0.0625 \\
         --trace-speedup 4 --duration 20                 # a Mooncake trace, 1/16 of its tokens, 4x its pace
+    python bench/bench_routing.py --workloads a --routers kvflow kvflow:no-events kvflow-envoy sglang:cache_aware \\
+        --replicas 1 3 --factors 1.0 --duration 15      # one replica against three, with and without KV events
+
+``--replicas N [N ...]`` runs each kvflow row that names no ``xN`` of its own with N replicas
+(each count in turn): N gateways with the whole pool each, the client spreading requests
+round-robin over them, or N pickers behind the one Envoy for ``kvflow-envoy``. The row is
+``kvflow default x3``; its CPU is every replica's; below the table each is compared with its
+one-replica row (issue 51: within 10 % on mean and p90 TTFT, hit rate within 2 points). The
+peers stay single.
 
 ``--trace FILE`` replays a trace in Mooncake's JSONL format (``kvbench.traces``) instead of the
 synthetic workloads: open loop by timestamp, token counts scaled by ``--trace-scale``, a window
@@ -55,9 +64,14 @@ def parser() -> argparse.ArgumentParser:
                    help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D, "
                         "e / e-cpu: tiered prefix (more than GPU KV) without / with a CPU tier (default: a-d)")
     p.add_argument("--routers", nargs="+", default=list(routers.DEFAULT_ROUTERS),
-                   help="kvflow[:PROFILE], kvflow-envoy[:PROFILE] (the router as ext_proc behind Envoy), "
+                   help="kvflow[:PROFILE], kvflow-envoy[:PROFILE] (the router as ext_proc behind Envoy), either "
+                        "with :no-events (pods that publish no KV events) and :xN (N replicas), "
                         "sglang:cache_aware|round_robin, vllm-router:cache_aware|round_robin|kv_aware, "
                         "oracle (the oracle's placements sent straight to the pods; default: %(default)s)")
+    p.add_argument("--replicas", nargs="+", type=int, default=[1], metavar="N",
+                   help="run each kvflow row (no :xN of its own) with N replicas: N gateways the client spreads "
+                        "requests over round-robin, or N pickers behind one Envoy; several counts: a row each "
+                        "(default: 1)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     p.add_argument("--factors", nargs="+", type=float, default=[0.5, 0.75, 1.0, 1.25],
                    help="rates as multiples of round-robin's saturation rate on the replay")
@@ -93,8 +107,43 @@ def print_outcome(outcome: Outcome) -> None:
     print(report.calibration(outcome.rows))
     print(report.targets(w.name, outcome.rows, saturation_row_rate(outcome),
                          uniform_shared_prefix=w.shape == "shared-prefix" and not w.pd))
+    for line in replica_lines(outcome.rows, saturation_row_rate(outcome), outcome.decisions):
+        print(line)
     for skipped in outcome.skipped:
         print(f"skipped {skipped}")
+
+
+def replica_lines(rows: list[report.Row], rate: float, decisions: dict[str, dict[float, tuple[int, ...]]]) -> list[str]:
+    """Each row with replicas against its one-replica row at ``rate`` (a no-events row also
+    against the row with events): issue 51 asks within 10 % on mean and p90 TTFT, and hit rate
+    within 2 points; and how its replicas shared the decisions."""
+    at = {r.router: r for r in rows if r.rate == rate and r.measured}
+    out = []
+    for name, row in at.items():
+        try:
+            spec = routers.RouterSpec.parse(row_spelling(name))
+        except ValueError:
+            continue
+        if spec.replicas == 1:
+            continue
+        ones = [routers.RouterSpec(spec.kind, spec.policy, 1, kv_events).name for kv_events in dict.fromkeys(
+            (spec.kv_events, True))]
+        for one in (at[n] for n in ones if n in at):
+            mean, p90 = row.ttft_mean_ms / one.ttft_mean_ms, row.ttft_p90_ms / one.ttft_p90_ms
+            hit = (row.hit_rate - one.hit_rate) * 100
+            met = max(abs(mean - 1), abs(p90 - 1)) <= 0.10 and abs(hit) <= 2
+            out.append(f"issue 51 ({name} vs {one.router}, at {rate:g} req/s): mean TTFT {mean:.2f}, p90 {p90:.2f}, "
+                       f"hit rate {hit:+.1f} points (within 10 % and 2 points: {'met' if met else 'NOT met'})")
+        shares = decisions.get(name, {}).get(rate)
+        if shares:
+            out.append(f"  {name}: decisions per replica {'/'.join(map(str, shares))}")
+    return out
+
+
+def row_spelling(name: str) -> str:
+    """A measured kvflow row's name as ``--routers`` spells it (``kvflow default no-events x3`` is
+    ``kvflow:default:no-events:x3``)."""
+    return ":".join(name.split(" "))
 
 
 def rendered_router_config(path: Path) -> dict[str, object]:
@@ -120,6 +169,7 @@ def rendered_router_config(path: Path) -> dict[str, object]:
 async def main_async(args: argparse.Namespace) -> list[Outcome]:
     for name in args.routers:
         routers.RouterSpec.parse(name)  # a typo fails before any pod starts
+    names = routers.with_replicas(args.routers, args.replicas)
     workloads = [(WORKLOADS[name], tuple(args.rates)) for name in args.workloads]
     if args.trace is not None:
         trace, rates = traces.workload(args)
@@ -133,7 +183,7 @@ async def main_async(args: argparse.Namespace) -> list[Outcome]:
                 opts = Options(duration=args.duration, factors=tuple(args.factors), rates=rates, seed=seed,
                                log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet,
                                kvflow_config=kvflow_config)
-                outcome = await bench_workload(workload, args.routers, opts)
+                outcome = await bench_workload(workload, names, opts)
                 outcomes.append(outcome)
                 print_outcome(outcome)
                 title = f"workload {workload.name}: {describe(workload)}" + (f", seed {seed}" if seed else "")
@@ -167,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "routing.json").write_text(json.dumps(
         [{"workload": o.workload.name, "seed": o.seed, "saturation": o.saturation, "rates": o.rates, "skipped": o.skipped,
-          "rows": [asdict(r) for r in o.rows]} for o in outcomes], indent=1, default=str))
+          "decisions_per_replica": o.decisions, "rows": [asdict(r) for r in o.rows]} for o in outcomes],
+        indent=1, default=str))
     names = [plot_name(o.workload.name, o.seed, args.seeds) for o in outcomes]
     print(f"\nplots: {', '.join(str(args.out / n) for n in names)}; TTFT CDFs at the saturation rate: "
           f"{', '.join(str(args.out / n.replace('.png', '-cdf.png')) for n in names)}")

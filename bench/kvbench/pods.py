@@ -27,6 +27,7 @@ class Pod:
     role: str
     """``both`` (aggregated), ``prefill`` or ``decode``."""
     kv_events: str
+    """Where it publishes KV events ("": it publishes none)."""
 
     @property
     def url(self) -> str:
@@ -53,8 +54,9 @@ class Counters:
 
 
 def start_pods(group: ProcessGroup, *, decode: int, prefill: int = 0, num_blocks: int, profile: str = "h100-llama8b",
-               first_host: int = 150, extra: Sequence[str] = ()) -> list[Pod]:
-    """``decode`` aggregated pods (decode pods when ``prefill`` > 0), then ``prefill`` pods."""
+               first_host: int = 150, extra: Sequence[str] = (), kv_events: bool = True) -> list[Pod]:
+    """``decode`` aggregated pods (decode pods when ``prefill`` > 0), then ``prefill`` pods;
+    without ``kv_events`` they publish none (as vLLM without ``--kv-events-config``)."""
     roles = [("decode" if prefill else "both")] * decode + ["prefill"] * prefill
     pods = []
     for i, role in enumerate(roles):
@@ -62,20 +64,22 @@ def start_pods(group: ProcessGroup, *, decode: int, prefill: int = 0, num_blocks
         # both on the pod's own address: a wildcard bind (tcp://*) can collide with another
         # process's outgoing connection from 127.0.0.1 that took the same ephemeral port since
         port, kv_port = free_port(host), free_port(host)
+        events = f"tcp://{host}:{kv_port}" if kv_events else ""
         argv = kvflow_argv("sim", "--host", host, "--port", str(port), "--model", MODEL, "--profile", profile,
                            "--num-blocks", str(num_blocks), "--role", role,
-                           "--kv-events-endpoint", f"tcp://{host}:{kv_port}", "--log-level", "WARNING", *extra)
+                           *(("--kv-events-endpoint", events) if events else ()), "--log-level", "WARNING", *extra)
         if role != "both":
             argv += ["--kv-transfer", "modelled"]
         group.start(f"pod-{i}-{role}", argv, env={"PYTHONHASHSEED": "0"}, ready_url=f"http://{host}:{port}/health")
-        pods.append(Pod(Endpoint(host, port), role, f"tcp://{host}:{kv_port}"))
+        pods.append(Pod(Endpoint(host, port), role, events))
     group.wait_ready(90)
     return pods
 
 
 def router_config(pods: Sequence[Pod]) -> dict[str, object]:
     """The least a kvflow router needs here beyond its defaults: where each pod publishes."""
-    return {"pool": {"endpoints": [{"address": p.address, "role": p.role, "kvEvents": p.kv_events} for p in pods]}}
+    return {"pool": {"endpoints": [{"address": p.address, "role": p.role, **({"kvEvents": p.kv_events} if p.kv_events else {})}
+                                   for p in pods]}}
 
 
 def parse_counters(text: str) -> Counters:

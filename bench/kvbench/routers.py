@@ -19,6 +19,17 @@ A router is named ``KIND[:POLICY]``:
   pods: the best any router could do here, the pods' own HTTP front ends and the machine's noise
   included, which the replay leaves out.
 
+kvflow's rows take two more parts, in any order after the kind: ``xN`` runs N replicas
+(``kvflow:x3``: three gateways, each with the whole pool, the client spreading requests
+round-robin over them as a Service would, so a session's turns may land on different ones;
+``kvflow-envoy:x3``: three ``kvflow router`` pickers behind the one Envoy, which spreads its
+ext_proc streams over them), and ``no-events`` runs them in front of pods that publish no KV
+events, with the router told so (``kvEvents.enabled: false``, as ``kvflow operator render``
+writes it for an LLMService with ``routing.kvEvents: false``): each replica then knows only what
+it routed itself (the approximate index) and what the pods' counters say. The row is named for
+both (``kvflow default no-events x3``). Every replica's CPU counts in the row. The peers run
+one process each.
+
 Peers are optional: ``ensure`` installs the ``bench`` extra's requirement for a missing one, and
 says why a peer is skipped when it cannot (not installable, or a P/D protocol it lacks).
 """
@@ -26,6 +37,7 @@ says why a peer is skipped when it cannot (not installable, or a P/D protocol it
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -47,56 +59,106 @@ POLICIES = {
     "sglang": ("cache_aware", "round_robin"),
     "vllm-router": ("cache_aware", "round_robin", "kv_aware"),
 }
-DEFAULT_ROUTERS = ("kvflow", "sglang:cache_aware", "sglang:round_robin", "vllm-router:cache_aware",
-                   "vllm-router:round_robin", "oracle")
 ORACLE = "oracle"
 """The live oracle's kind: no router process, the oracle's placements sent straight to the pods."""
 ENVOY = "kvflow-envoy"
 """kvflow's router as ext_proc behind a real Envoy."""
+DEFAULT_ROUTERS = ("kvflow", ENVOY, "sglang:cache_aware", "sglang:round_robin", "vllm-router:cache_aware",
+                   "vllm-router:round_robin", ORACLE)
 
 
 class Skip(Exception):
     """This router cannot run here; the message says why."""
 
 
+NO_EVENTS = "no-events"
+_REPLICAS = re.compile(r"x([1-9][0-9]*)")
+
+
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
     kind: str
     policy: str | None = None
+    replicas: int = 1
+    """kvflow's rows: gateway processes, or pickers behind the one Envoy."""
+    kv_events: bool = True
+    """kvflow's rows: the pods publish KV events and the router subscribes (else neither)."""
 
     @classmethod
     def parse(cls, name: str) -> RouterSpec:
-        kind, _, policy = name.partition(":")
+        kind, _, rest = name.partition(":")
         if kind in ("kvflow", ENVOY):
-            profiles = [p.name for p in BUILTIN_PROFILES]
-            if policy and policy not in profiles:
-                raise ValueError(f"kvflow profiles: {', '.join(profiles)} (got {policy!r})")
-            return cls(kind, policy or None)
+            return cls._parse_kvflow(kind, rest.split(":") if rest else [])
+        policy = rest
         if kind == ORACLE and not policy:
             return cls(kind)
         if kind not in POLICIES:
-            raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE], kvflow-envoy[:PROFILE], sglang:POLICY, "
-                             "vllm-router:POLICY or oracle")
+            raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE][:no-events][:xN], "
+                             "kvflow-envoy[:PROFILE][:no-events][:xN], sglang:POLICY, vllm-router:POLICY or oracle")
         policy = policy or POLICIES[kind][0]
         if policy not in POLICIES[kind]:
-            raise ValueError(f"{kind} policies here: {', '.join(POLICIES[kind])} (got {policy!r})")
+            raise ValueError(f"{kind} policies here: {', '.join(POLICIES[kind])} (got {policy!r}; "
+                             "the peers run one process: no replicas, no no-events)")
         return cls(kind, policy)
+
+    @classmethod
+    def _parse_kvflow(cls, kind: str, parts: list[str]) -> RouterSpec:
+        profiles = [p.name for p in BUILTIN_PROFILES]
+        policy, replicas, kv_events = None, 1, True
+        for part in parts:
+            count = _REPLICAS.fullmatch(part)
+            if count:
+                replicas = int(count.group(1))
+            elif part == NO_EVENTS:
+                kv_events = False
+            elif part in profiles and policy is None:
+                policy = part
+            else:
+                raise ValueError(f"kvflow profiles: {', '.join(profiles)}, then :no-events and :xN, in "
+                                 f"{kind}[:PROFILE][:no-events][:xN] (got {part!r})")
+        return cls(kind, policy, replicas, kv_events)
 
     @property
     def name(self) -> str:
         if self.kind in ("kvflow", ENVOY):
-            return f"{self.kind} {self.policy or 'default'}"
+            return (f"{self.kind} {self.policy or 'default'}" + ("" if self.kv_events else f" {NO_EVENTS}")
+                    + (f" x{self.replicas}" if self.replicas > 1 else ""))
         if self.kind == ORACLE:
             return "oracle (live)"
         return f"{self.kind} {self.policy}"
 
     @property
+    def spelling(self) -> str:
+        """How ``--routers`` spells it (``parse`` gives it back)."""
+        if self.kind not in ("kvflow", ENVOY):
+            return self.kind + (f":{self.policy}" if self.policy else "")
+        parts = [self.kind, *([self.policy] if self.policy else []), *([] if self.kv_events else [NO_EVENTS])]
+        return ":".join(parts + ([f"x{self.replicas}"] if self.replicas > 1 else []))
+
+    @property
     def headline(self) -> bool:
-        return self.kind == "kvflow" and self.policy is None
+        return self.kind == "kvflow" and self.policy is None and self.replicas == 1 and self.kv_events
 
     @property
     def round_robin(self) -> bool:
         return (self.policy or "").replace("_", "-") == "round-robin"
+
+
+def with_replicas(names: Sequence[str], counts: Sequence[int]) -> list[str]:
+    """``--replicas``: each kvflow row that names no ``xN`` of its own, once per count (in
+    order); the others as they are."""
+    out: list[str] = []
+    for name in names:
+        spec = RouterSpec.parse(name)
+        given = any(_REPLICAS.fullmatch(part) for part in name.split(":")[1:])
+        if spec.kind not in ("kvflow", ENVOY) or given:
+            out.append(name)
+            continue
+        for n in counts:
+            if n < 1:
+                raise ValueError(f"--replicas takes counts of at least 1, got {n}")
+            out.append(RouterSpec(spec.kind, spec.policy, n, spec.kv_events).spelling)
+    return list(dict.fromkeys(out))
 
 
 def binary(kind: str) -> str | None:
@@ -162,46 +224,87 @@ class Process:
     tokenizer_url: str | None = None
     """Where it answers vLLM's ``POST /tokenize`` with the tokenizer it routes by (kvflow's
     gateway, or its router behind Envoy): warmed there as the pods are (no peer tokenizes)."""
+    metrics_url: str | None = None
+    """kvflow's router in it: its ``/metrics`` (its decisions are counted per replica)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """A router under test: its processes, in the order to start them, and where clients send."""
+
+    processes: list[Process]
+    urls: tuple[str, ...]
+    """Base URLs the client spreads requests over, round-robin: each gateway replica, or the one
+    Envoy (or the one peer)."""
+
+
+def listeners(spec: RouterSpec) -> int:
+    """How many addresses clients reach the router at: kvflow's replicas each, one otherwise."""
+    return spec.replicas if spec.kind == "kvflow" else 1
+
+
+def stack(spec: RouterSpec, pods: Sequence[Pod], log_dir: Path, base: Mapping[str, Any] | None = None,
+          ports: Sequence[int] | None = None) -> Stack:
+    """The router's processes for these pods, listening for clients on 127.0.0.1 at ``ports``
+    (``listeners(spec)`` of them; free ones by default)."""
+    ports = list(ports) if ports is not None else [free_port("127.0.0.1") for _ in range(listeners(spec))]
+    if len(ports) != listeners(spec):
+        raise ValueError(f"{spec.name} listens on {listeners(spec)} ports, got {len(ports)}")
+    urls = tuple(f"http://127.0.0.1:{port}" for port in ports)
+    if spec.kind == ENVOY:
+        return Stack(envoy_stack(spec, pods, ports[0], log_dir, base), urls)
+    kvflow = spec.kind == "kvflow"
+    name = spec.name.replace(" ", "-")
+    names = [name] if len(ports) == 1 else [f"{name}-{i + 1}" for i in range(len(ports))]
+    return Stack([Process(n, argv(spec, pods, port, log_dir, base), f"{url}/health", url if kvflow else None,
+                          f"{url}/metrics" if kvflow else None)
+                  for n, port, url in zip(names, ports, urls, strict=True)], urls)
 
 
 def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
               base: Mapping[str, Any] | None = None) -> list[Process]:
-    """The router's processes for these pods, in the order to start them; clients reach the
-    router at 127.0.0.1:``port``."""
-    if spec.kind == ENVOY:
-        return envoy_stack(spec, pods, port, log_dir, base)
-    url = f"http://127.0.0.1:{port}"
-    return [Process(spec.name.replace(" ", "-"), argv(spec, pods, port, log_dir, base), f"{url}/health",
-                    url if spec.kind == "kvflow" else None)]
+    """The processes of a router with one listener, clients reaching it at 127.0.0.1:``port``."""
+    return stack(spec, pods, log_dir, base, [port]).processes
 
 
 def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
                 base: Mapping[str, Any] | None = None) -> list[Process]:
-    """``kvflow router`` (ext_proc, plaintext on loopback) and an Envoy listening on ``port``
-    that asks it for every request's pod, with the bootstrap kvflow renders for Envoy."""
+    """``spec.replicas`` ``kvflow router`` pickers (ext_proc, plaintext on loopback) and an Envoy
+    listening on ``port`` that asks one of them for every request's pod, with the bootstrap
+    kvflow renders for Envoy (its ext_proc cluster holds every picker, streams spread
+    round-robin)."""
     envoy = check(spec, sum(p.role == "prefill" for p in pods))
     assert envoy is not None
-    grpc, metrics, admin = (free_port("127.0.0.1") for _ in range(3))
-    router = kvflow_argv("router", "--config", str(_config_file(pods, log_dir, base)), "--port", str(grpc),
-                         "--metrics-port", str(metrics), "--grpc-health-port", "0", "--no-secure-serving",
-                         "--model", MODEL, "--log-level", "WARNING")
+    config = _config_file(pods, log_dir, base, kv_events=spec.kv_events)
+    pickers, grpc_ports = [], []
+    for i in range(spec.replicas):
+        grpc, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
+        router = kvflow_argv("router", "--config", str(config), "--port", str(grpc),
+                             "--metrics-port", str(metrics), "--grpc-health-port", "0", "--no-secure-serving",
+                             "--model", MODEL, "--log-level", "WARNING")
+        url = f"http://127.0.0.1:{metrics}"
+        pickers.append(Process("kvflow-router" if spec.replicas == 1 else f"kvflow-router-{i + 1}",
+                               router + _profile(spec, base), f"{url}/healthz", url, f"{url}/metrics"))
+        grpc_ports.append(grpc)
+    admin = free_port("127.0.0.1")
     bootstrap = log_dir / "envoy.json"
-    bootstrap.write_text(json.dumps(render([Listener("127.0.0.1", port)], ("127.0.0.1", grpc),
+    bootstrap.write_text(json.dumps(render([Listener("127.0.0.1", port)], [("127.0.0.1", g) for g in grpc_ports],
                                            [p.endpoint for p in pods], admin=("127.0.0.1", admin))))
-    return [
-        Process("kvflow-router", router + _profile(spec, base),
-                f"http://127.0.0.1:{metrics}/healthz", f"http://127.0.0.1:{metrics}"),
-        Process("envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
-                f"http://127.0.0.1:{admin}/ready"),
-    ]
+    return [*pickers, Process("envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
+                              f"http://127.0.0.1:{admin}/ready")]
 
 
-def _config_file(pods: Sequence[Pod], log_dir: Path, base: Mapping[str, Any] | None = None) -> Path:
+def _config_file(pods: Sequence[Pod], log_dir: Path, base: Mapping[str, Any] | None = None, *,
+                 kv_events: bool = True) -> Path:
     """The router config of a kvflow row: ``base`` (an LLMService's, as the operator renders it)
-    with its pool replaced by these pods, or the defaults."""
+    with its pool replaced by these pods, or the defaults; without KV events, the router told
+    the pods publish none (``kvEvents.enabled: false``)."""
     config = log_dir / "router-config.json"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(json.dumps({**(base or {}), **router_config(pods)}))
+    data = {**(base or {}), **router_config(pods)}
+    if not kv_events:
+        data["kvEvents"] = {**dict((base or {}).get("kvEvents") or {}), "enabled": False}
+    config.write_text(json.dumps(data))
     return config
 
 
@@ -223,8 +326,9 @@ def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
     decode = [p for p in pods if p.role != "prefill"]
     prefill = [p for p in pods if p.role == "prefill"]
     if spec.kind == "kvflow":
+        config = _config_file(pods, log_dir, base, kv_events=spec.kv_events)
         out = kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                          "--router-config", str(_config_file(pods, log_dir, base)), "--log-level", "WARNING")
+                          "--router-config", str(config), "--log-level", "WARNING")
         out += [a for p in decode for a in ("--endpoint", p.address)]
         out += [a for p in prefill for a in ("--prefill-endpoint", p.address)]
         return out + _profile(spec, base)

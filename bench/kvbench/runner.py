@@ -6,7 +6,10 @@ for each router in turn, start fresh pods (warmed alike: their tokenizers have s
 words, not their prompts) and the router (kvflow's tokenizer, in its gateway or behind Envoy, warmed the same way),
 and per rate drain and reset the pods' caches, send
 the trace open-loop and read the pods' counters before and after. The live oracle starts no
-router: its client sends each request to the pod the oracle's replay placed it on.
+router: its client sends each request to the pod the oracle's replay placed it on. A router
+with several replicas (``kvflow:x3``) gets the requests spread round-robin over its gateways
+(request ``i`` to replica ``i mod N``), or behind Envoy over its pickers by Envoy itself; each
+replica's router counts its own decisions, read before and after each run.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvflow.local.procs import ProcessGroup, StartupError, free_port
+from kvflow.local.procs import ProcessGroup, StartupError
 from kvflow.sim.profiles import get_profile
 
 from kvbench import loadgen, oracle, pods as podlib, report, routers
@@ -60,6 +64,9 @@ class Outcome:
     seed: int = 0
     placements: dict[float, tuple[int, ...]] = field(default_factory=dict)
     """Per rate, the pod the oracle's replay sent each request to (what the live oracle sends)."""
+    decisions: dict[str, dict[float, tuple[int, ...]]] = field(default_factory=dict)
+    """Per kvflow row and rate, the decisions each of its routers (gateway replicas, or pickers
+    behind Envoy) took in the run, from their own ``kvflow_router_decisions`` counters."""
 
 
 def log(opts: Options, msg: str) -> None:
@@ -141,8 +148,9 @@ def proc_cpu_seconds(pid: int) -> float:
 
 async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Sequence[str], pids: Sequence[int],
                   trace: Trace, fleet: Sequence[podlib.Pod], opts: Options) -> report.Row:
-    """One run of ``trace`` sent to ``url`` (one URL per request for the live oracle), and its
-    row; ``pids``: the router's processes, whose CPU is counted (none: no router)."""
+    """One run of ``trace`` sent to ``url`` (one URL per request: the live oracle's placements, or
+    a router's replicas in turn), and its row; ``pids``: the router's processes, whose CPU is
+    counted, every replica's (none: no router)."""
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await podlib.wait_idle(session, fleet)
@@ -164,6 +172,25 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Seque
               f"hit {row.hit_rate:.2f} balance {row.balance:.2f} errors {row.errors}"
               + (f" (first: {errs[0]})" if errs else ""))
     return row
+
+
+async def router_decisions(session: aiohttp.ClientSession, urls: Sequence[str]) -> tuple[int, ...]:
+    """Each router's decisions so far (``kvflow_router_decisions_total`` at its ``/metrics``)."""
+    async def one(url: str) -> int:
+        async with session.get(url) as resp:
+            text = await resp.text()
+        return int(sum(s.value for family in text_string_to_metric_families(text) if family.name == "kvflow_router_decisions"
+                       for s in family.samples if s.name.endswith("_total")))
+
+    return tuple(await asyncio.gather(*(one(u) for u in urls)))
+
+
+def spread(urls: Sequence[str], requests: int) -> str | list[str]:
+    """Where each request goes: the one URL, or request ``i`` to ``urls[i mod N]`` (round-robin
+    by the trace's order, so a session's turns may meet different replicas, as behind a Service)."""
+    if len(urls) == 1:
+        return urls[0]
+    return [urls[i % len(urls)] for i in range(requests)]
 
 
 async def bench_workload(workload: Workload, router_names: Sequence[str], opts: Options) -> Outcome:
@@ -192,7 +219,8 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
         with ProcessGroup(log_dir) as group:
             fleet = await asyncio.to_thread(podlib.start_pods, group, decode=workload.decode_pods,
                                             prefill=workload.prefill_pods, num_blocks=workload.num_blocks,
-                                            profile=SIM_PROFILE, extra=offload_args(workload))
+                                            profile=SIM_PROFILE, extra=offload_args(workload),
+                                            kv_events=spec.kv_events)
             await podlib.warm(fleet, vocabulary)
             if spec.kind == routers.ORACLE:
                 for rate in rates:
@@ -200,13 +228,13 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
                     urls = [f"{fleet[pod].url}/v1/completions" for pod in outcome.placements[rate]]
                     outcome.rows.append(await measure(workload, spec, urls, [], traces[rate], fleet, opts))
                 continue
-            port = free_port("127.0.0.1")
             try:
-                procs = routers.processes(spec, fleet, port, log_dir, opts.kvflow_config)
+                stack = routers.stack(spec, fleet, log_dir, opts.kvflow_config)
             except routers.Skip as exc:
                 outcome.skipped.append(f"{spec.name}: {exc}")
                 log(opts, f"  skipping {spec.name}: {exc}")
                 continue
+            procs = stack.processes
             children = [group.start(p.name, p.argv, ready_url=p.ready_url) for p in procs]
             try:
                 await asyncio.to_thread(group.wait_ready, 120, children)
@@ -217,10 +245,18 @@ async def bench_workload(workload: Workload, router_names: Sequence[str], opts: 
             # kvflow's router tokenizes with the pods' tokenizer: warmed as they are
             await podlib.warm_urls([p.tokenizer_url for p in procs if p.tokenizer_url], vocabulary)
             await asyncio.sleep(opts.settle)
+            counted = [p.metrics_url for p in procs if p.metrics_url]
             for rate in rates:
-                url = f"http://127.0.0.1:{port}/v1/completions"
-                outcome.rows.append(await measure(workload, spec, url, [c.popen.pid for c in children], traces[rate],
-                                                  fleet, opts))
+                urls = spread([f"{u}/v1/completions" for u in stack.urls], len(traces[rate].requests))
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                    before = await router_decisions(session, counted)
+                    outcome.rows.append(await measure(workload, spec, urls, [c.popen.pid for c in children],
+                                                      traces[rate], fleet, opts))
+                    decided = tuple(a - b for a, b in zip(await router_decisions(session, counted), before, strict=True))
+                if decided:
+                    outcome.decisions.setdefault(spec.name, {})[rate] = decided
+                    if len(decided) > 1:
+                        log(opts, f"  {spec.name} @ {rate:g} req/s: decisions per replica {'/'.join(map(str, decided))}")
     outcome.rows = [replace(r, seed=opts.seed) for r in outcome.rows]
     return outcome
 
