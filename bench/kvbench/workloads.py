@@ -182,11 +182,12 @@ class Workload:
         return SHAPES[self.shape](rate, duration, seed, **dict(self.params))
 
 
-TIERED = (("groups", 48), ("per_group", 4), ("system_len", 4000), ("question_len", 200), ("output_len", 32))
-"""llm-d's tiered-prefix-cache benchmark, scaled: many groups of long system prompts whose total
-(48 x 4,000 tokens = 12,000 blocks) exceeds the four pods' GPU KV (4 x 2,400 blocks); with
-offloading (``e-cpu``) each pod's CPU tier (16,000 blocks: 31 GiB at h100-llama8b's 2 MiB a
-block) holds all of them."""
+TIERED = (("groups", 120), ("per_group", 1), ("system_len", 4000), ("question_len", 200), ("output_len", 32))
+"""llm-d's tiered-prefix-cache benchmark, scaled: many long system prompts whose total (120 x
+4,000 tokens = 30,000 blocks) is three times the four pods' GPU KV (4 x 2,400 blocks), so even a
+router that partitions them keeps only a third on the GPUs; with offloading (``e-cpu``) each
+pod's CPU tier (16,000 blocks: 31 GiB at h100-llama8b's 2 MiB a block) holds its share of them
+and more."""
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -217,6 +218,6 @@ DESCRIPTIONS = {
     "b": "skewed multi-tenant (48 Zipf tenants, 2000-7000 + 300-1000 tokens)",
     "c": "multi-turn chat (5 turns, growing history)",
     "d": "shared prefix with P/D (2 prefill + 2 decode pods)",
-    "e": "tiered prefix (48 groups x 4 prompts, 4000+200 tokens, more than GPU KV), no offloading",
-    "e-cpu": "tiered prefix (48 groups x 4 prompts, 4000+200 tokens), 16000-block CPU tier per pod",
+    "e": "tiered prefix (120 system prompts x 4000 + 200 tokens, 3x GPU KV), no offloading",
+    "e-cpu": "tiered prefix (120 system prompts x 4000 + 200 tokens), 16000-block CPU tier per pod",
 }
