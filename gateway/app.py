@@ -246,15 +246,16 @@ class Gateway:
         validate(kind, body)
         if stripped:
             request.body = encode(body)  # forwarded without them
-        pool, lora = self._pool_of(body)
+        pool, _ = self._pool_of(body)
         ex.model = pool.model
         self.limiter.check(key.name)
         if pool.hold is not None and pool.hold.empty():  # scaled to zero, or the first pod starting
             await self._held(ex, pool.hold)
         client = key.name if self.auth.enabled else request.peer  # fairness between clients
-        await pool.gate.acquire(self._priority(request, key, allowed), client)
+        priority = self._priority(request, key, allowed)
+        await pool.gate.acquire(priority, client)
         try:
-            await self._serve(request, out, ex, pool, body, lora)
+            await self._serve(request, out, ex, pool, body, priority)
         finally:
             pool.gate.release(client)
 
@@ -290,9 +291,11 @@ class Gateway:
             raise InvalidRequestError(f"{self._priority_header} must be an integer", param="priority") from None
 
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
-                     lora: str | None) -> None:
+                     priority: int = 0) -> None:
+        """Route and forward one admitted request; ``priority`` is the router's (below 0 it may be
+        shed when every pod is saturated)."""
         first_byte = first_byte_timeout(self.upstream.timeouts, body, batch=ex.mode == "batch")  # before mode is set
-        flight = await pool.router.route(Incoming(body, request.headers, ex.request_id, len(request.body)))
+        flight = await pool.router.route(Incoming(body, request.headers, ex.request_id, len(request.body), priority))
         result = flight.result
         ex.prefill, ex.cached_tokens = result.prefill, result.cached_tokens
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,13 +47,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvflow.errors import KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
+from kvflow.errors import InvalidRequestError, KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
 from kvflow.request_body import DEFAULT_BUFFERED_BODIES, DEFAULT_MAX_DEPTH, BodyBudget, client_body
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingResult
 from kvflow.router.request import Incoming
 from kvflow.router.router import Router
-from kvflow.routing_headers import DESTINATION, NEVER_FROM_CLIENTS, PICKED, PREFILLER, strip_client_routing
+from kvflow.routing_headers import DESTINATION, NEVER_FROM_CLIENTS, PICKED, PREFILLER, PRIORITY, strip_client_routing
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,19 @@ def incoming(headers: dict[str, str], body: bytes, max_depth: int = DEFAULT_MAX_
     and checked by the gateway's own ``client_body`` (a client's ``kv_transfer_params``, however
     its key is spelled, is a 400)."""
     parsed, _ = client_body(body, max_depth, "reject") if body else ({}, False)
-    return Incoming(parsed, headers, headers.get("x-request-id") or uuid.uuid4().hex, len(body))
+    return Incoming(parsed, headers, headers.get("x-request-id") or uuid.uuid4().hex, len(body), priority(headers))
+
+
+def priority(headers: Mapping[str, str]) -> int:
+    """An allowed ``x-kvflow-priority`` (``ExtProcLimits.allow_client_headers``; stripped
+    otherwise), else 0; not an integer is a 400, as on the gateway."""
+    text = headers.get(PRIORITY)
+    if text is None:
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequestError(f"{PRIORITY} must be an integer", param="priority") from None
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):

@@ -36,6 +36,9 @@ class SchedulingRequest:
     """Digests of the request's images/audio/video (``kvflow.router.request.multimodal_hashes``)."""
     profile: str | None = None
     """The scheduling profile the request asked for (an allowed ``x-kvflow-profile``), else the router's."""
+    priority: int = 0
+    """The Inference Extension's priority: higher first, 0 by default; below 0 the request is
+    sheddable (a 429 when every pod is saturated, where others are sent on and queue there)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,9 @@ class Incoming:
     request_id: str
     size: int
     """The raw body's length in bytes: a body this large may be tokenized in a worker thread."""
+    priority: int = 0
+    """``SchedulingRequest.priority``: the gateway's (an API key's, or an allowed
+    ``x-kvflow-priority``), the ext_proc server's from that header; batch lines below 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,7 @@ def scheduling_request(
     request_id: str,
     names: PoolNames | None = None,
     max_prompt_tokens: int | None = None,
+    priority: int = 0,
 ) -> SchedulingRequest:
     """The request the router schedules; ``token_ids`` are the prompt's (``tokens_off_loop``).
 
@@ -93,6 +97,7 @@ def scheduling_request(
         cache_salt=salt if isinstance(salt, str) and salt else None,
         mm_hashes=multimodal_hashes(body),
         profile=headers.get(PROFILE) or None,
+        priority=priority,
     )
 
 

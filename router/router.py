@@ -204,7 +204,7 @@ class Router:
         tokens = await tokens_off_loop(self.tokenizer, incoming.body, incoming.size)
         request = scheduling_request(
             incoming.body, incoming.headers, tokens, request_id=incoming.request_id, names=self.names,
-            max_prompt_tokens=self.max_prompt_tokens,
+            max_prompt_tokens=self.max_prompt_tokens, priority=incoming.priority,
         )
         return self.decide(request, await self._fingerprinted(request))
 

@@ -22,6 +22,9 @@ from kvflow.gateway.proxy import Exchange
 from kvflow.gateway.validation import validate
 
 _decoder = msgspec.json.Decoder()
+BATCH_PRIORITY = -1
+"""Batch lines are sheddable: when every pod is saturated the router refuses them (429, tried
+again later) and sends interactive requests on, so batches use only the capacity left over."""
 TRANSIENT = (UpstreamError, NoCapacityError, RateLimitError)
 """No pod could take the line now: it is tried again later rather than failed."""
 
@@ -94,7 +97,7 @@ async def run(gateway: Gateway, line: Prepared, endpoint: str, request_id: str) 
     try:
         # the gateway's own forwarding path: routing, retries, P/D (it only calls capture.send)
         await gateway._serve(Request("POST", endpoint, "", headers, line.payload, True),
-                             capture, ex, line.pool, line.body, line.lora)  # type: ignore[arg-type]
+                             capture, ex, line.pool, line.body, BATCH_PRIORITY)  # type: ignore[arg-type]
     except TRANSIENT as exc:
         raise Transient(Answer(exc.status, msgspec.json.encode(exc.body()), request_id)) from None
     except KvflowError as exc:

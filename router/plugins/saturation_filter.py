@@ -1,7 +1,10 @@
-"""Keep endpoints under their queue and KV-cache limits; shed (429) when none is.
+"""Keep endpoints under their queue and KV-cache limits; when none is, shed only what may be shed.
 
-Like the Inference Extension's saturation detector: when every pod is over its limits, adding
-a request only grows queues, so the caller is told to retry later instead.
+Like the Inference Extension's saturation detector: the pool is saturated when every pod is over
+its limits, and then a sheddable request (priority below 0: batch lines, or what an API key or
+the priority header marks so) is told to retry later (429), since adding it only grows queues.
+Any other request is still sent, among every pod, and queues on the model server, as vLLM queues
+what it cannot run yet: refusing it would lose a request the pool will serve in a moment.
 """
 
 from __future__ import annotations
@@ -51,5 +54,7 @@ class SaturationFilter:
             kept = [ep for ep, k in zip(endpoints, keep.tolist()) if k]
             cycle.set_loads(candidates.subset(keep, kept))
         if endpoints and not kept:
+            if cycle.request.priority >= 0:
+                return endpoints  # not sheddable: it waits on a pod, not on the client's retry
             raise RateLimitError("every endpoint is saturated; retry later", retry_after=self.p.retry_after)
         return endpoints if len(kept) == len(endpoints) else kept

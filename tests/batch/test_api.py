@@ -263,3 +263,5 @@ async def test_a_line_fails_after_its_attempts_when_healthy_pods_keep_failing_it
     assert len(pod.received) == 2  # max_attempts tries, then its last answer is its result
     assert line["custom_id"] == "only" and line["response"]["status_code"] == 502
     assert "no model server could serve the request" in line["response"]["body"]["error"]["message"]
+    # batch lines are sheddable: a saturated pool refuses them (and they wait) before interactive requests
+    assert {r.priority for r in router.scheduled} == {-1}

@@ -50,7 +50,8 @@ class ScriptedRouter:
 
     async def route(self, incoming: Incoming) -> RecordingFlight:
         request = scheduling_request(incoming.body, incoming.headers, [1, 2, 3], request_id=incoming.request_id,
-                                     names=self.names, max_prompt_tokens=self.max_prompt_tokens)
+                                     names=self.names, max_prompt_tokens=self.max_prompt_tokens,
+                                     priority=incoming.priority)
         self.scheduled.append(request)
         targets = tuple(self.targets)
         if self.rotate:

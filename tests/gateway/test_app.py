@@ -255,6 +255,16 @@ async def test_api_keys_authenticate_and_set_priority(start, tmp_path) -> None: 
     assert "authorization" not in stack.pods[0].headers[0]  # the gateway's key stays at the gateway
 
 
+async def test_a_keys_priority_reaches_the_router_which_may_shed_below_zero(start, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {key: sk-spare, name: spare, priority: -1}\n  - {key: sk-user, name: user}\n")
+    stack = await start(["ok"], auth={"keys_file": str(keys)})
+    for key in ("sk-spare", "sk-user"):
+        status, _, _ = await stack.post("/v1/completions", COMPLETION, headers={"Authorization": f"Bearer {key}"})
+        assert status == 200
+    assert [r.priority for r in stack.router.scheduled] == [-1, 0]
+
+
 async def test_the_openai_client_works(start) -> None:  # type: ignore[no-untyped-def]
     stack = await start(["ok"])
     client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)

@@ -156,19 +156,21 @@ async def test_pd_sets_the_prefiller_header(extproc: Open) -> None:
 
 async def test_errors_become_immediate_responses(extproc: Open) -> None:
     router = Router(load_config(None), PODS[:1])
-    open_stream = await extproc(router)
+    open_stream = await extproc(router, ExtProcLimits(allow_client_headers=frozenset({"x-kvflow-priority"})))
 
-    async def answer_to(body: bytes) -> pb.ProcessingResponse:
+    async def answer_to(body: bytes, **headers: str) -> pb.ProcessingResponse:
         stream = open_stream()
-        await stream.send(headers_msg(mode=4), body_msg(body, end=True))
-        (out,) = await stream.rest()
-        return out
+        await stream.send(headers_msg(mode=4, **headers), body_msg(body, end=True))
+        return (await stream.rest())[0]
 
     out = await answer_to(b"{oops")
     assert out.immediate_response.status.code == 400
     assert json.loads(out.immediate_response.body)["error"]["type"] == "BadRequestError"
+    assert (await answer_to(BODY, x_kvflow_priority="high")).immediate_response.status.code == 400
     router.datastore.record_scrape(PODS[0].id, EngineMetrics(waiting=10_000), now=1.0)
-    out = await answer_to(BODY)
+    # saturated: a request of the default priority still goes to the pod, a sheddable one is refused
+    assert "x-gateway-destination-endpoint" in set_headers(await answer_to(BODY), "request_headers")
+    out = await answer_to(BODY, x_kvflow_priority="-1")
     assert out.immediate_response.status.code == 429
     assert {h.header.key: h.header.raw_value for h in out.immediate_response.headers.set_headers}["retry-after"] == b"1"
     router.mark_failed(PODS[0])

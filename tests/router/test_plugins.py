@@ -36,9 +36,10 @@ def view(
 
 
 def cycle(
-    tokens: int = 64, *, lora: str | None = None, headers: dict[str, str] | None = None, model: str = "m"
+    tokens: int = 64, *, lora: str | None = None, headers: dict[str, str] | None = None, model: str = "m",
+    priority: int = 0,
 ) -> Cycle:
-    request = SchedulingRequest("r", model, list(range(tokens)), headers or {}, lora)
+    request = SchedulingRequest("r", model, list(range(tokens)), headers or {}, lora, priority=priority)
     return Cycle(request, Fingerprinter(16).prompt(request.token_ids), 0, 16)
 
 
@@ -100,10 +101,19 @@ def test_the_static_filters_answer_the_same_list_once_and_a_new_list_anew() -> N
     assert ids(health.filter(cycle(), [view(2), view(3, healthy=False)])) == ["2"]
 
 
-def test_saturation_sheds_when_all_are_over() -> None:
+def test_saturation_sheds_a_sheddable_request_when_every_pod_is_over() -> None:
     with pytest.raises(RateLimitError) as info:
-        plugin("saturation-filter", queueLimit=1, retryAfterSeconds=2).filter(cycle(), [view(2, waiting=3)])
+        plugin("saturation-filter", queueLimit=1, retryAfterSeconds=2).filter(cycle(priority=-1), [view(2, waiting=3)])
     assert info.value.status == 429 and info.value.headers() == {"Retry-After": "2"}
+
+
+def test_a_saturated_pool_still_takes_requests_that_may_not_be_shed() -> None:
+    # as the Inference Extension's saturation detector: priority 0 and above queue on a pod
+    saturated = [view(2, waiting=3), view(3, waiting=5)]
+    sat = plugin("saturation-filter", queueLimit=1)
+    assert ids(sat.filter(cycle(), saturated)) == ["2", "3"]
+    assert ids(sat.filter(cycle(priority=5), saturated)) == ["2", "3"]
+    assert ids(sat.filter(cycle(priority=-1), [*saturated, view(4)])) == ["4"]  # room somewhere: no shedding
 
 
 @pytest.mark.parametrize(

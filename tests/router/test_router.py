@@ -107,13 +107,15 @@ def test_mark_failed_until_next_good_scrape() -> None:
     assert router.decide(req("b")).result.targets == (PODS[0],)
 
 
-def test_sheds_with_429_when_every_pod_is_saturated() -> None:
+def test_sheds_sheddable_requests_with_429_when_every_pod_is_saturated() -> None:
     router = Router(load_config(None), PODS[:2])
     for pod in PODS[:2]:
         router.datastore.record_scrape(pod.id, EngineMetrics(waiting=500), now=1.0)
     with pytest.raises(RateLimitError):
-        router.decide(req("a"))
+        router.decide(req("a", priority=-1))
     assert router.explain(1)[0]["error"].startswith("shed")
+    # a request of the default priority is sent on, to queue on a pod as vLLM queues it
+    assert router.decide(req("b")).result.targets[0] in PODS[:2]
 
 
 def test_unknown_profile_is_an_error() -> None:
