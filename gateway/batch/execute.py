@@ -15,13 +15,12 @@ import msgspec
 from kvflow.errors import KvflowError, NoCapacityError, RateLimitError, UpstreamError, from_exception
 from kvflow.gateway.app import Gateway
 from kvflow.gateway.batch.lines import ENDPOINTS, encode_body
-from kvflow.gateway.body import client_kv_params
+from kvflow.gateway.body import client_body
 from kvflow.gateway.httpserver import Request
 from kvflow.gateway.pools import Pool
 from kvflow.gateway.proxy import Exchange
 from kvflow.gateway.validation import validate
 
-_decoder = msgspec.json.Decoder()
 BATCH_PRIORITY = -1
 """Batch lines are sheddable: when every pod is saturated the router refuses them (429, tried
 again later) and sends interactive requests on, so batches use only the capacity left over."""
@@ -74,9 +73,10 @@ def prepare(gateway: Gateway, endpoint: str, request: bytes, request_id: str) ->
     goes to a gateway's only pool), so a line is accepted exactly when the same body would be.
     """
     try:
-        body = _decoder.decode(request)
+        # the one body parser, with an interactive request's limits; P/D is the gateway's own
+        body, changed = client_body(request, gateway.config.http.max_json_depth,
+                                    gateway.config.client_kv_transfer_params)
         validate(ENDPOINTS[endpoint], body)
-        changed = client_kv_params(body, gateway.config.client_kv_transfer_params)  # P/D is the gateway's own
         pool, lora = gateway._pool_of(body)
     except Exception as exc:  # a line's answer, never an exception out of the runner
         return failed(exc, request_id)

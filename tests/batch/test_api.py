@@ -83,7 +83,8 @@ async def lines(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[st
 async def test_a_batch_runs_and_its_results_come_back_in_openais_shapes(client: openai.AsyncOpenAI) -> None:
     good = [request(f"ok-{i}", f"prompt {i}") for i in range(20)]
     bad = ["{this is not json", request("unknown-model", model="no-such-model"),
-           request("bad-body", max_tokens=-1), json.dumps({"method": "POST", "url": "/v1/completions", "body": {}})]
+           request("bad-body", max_tokens=-1), json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
+           request("too-deep", user=json.loads("[" * 200 + "]" * 200))]  # an interactive request's depth limit
     upload = await client.files.create(file=("in.jsonl", "\n".join(good[:10] + bad + good[10:]).encode()),
                                        purpose="batch")
     assert (upload.purpose, upload.filename) == ("batch", "in.jsonl")
@@ -93,7 +94,7 @@ async def test_a_batch_runs_and_its_results_come_back_in_openais_shapes(client: 
 
     batch = await finished(client, created.id)
     assert batch.status == "completed" and batch.request_counts is not None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (24, 20, 4)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (25, 20, 5)
     assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
 
     output = await lines(client, batch.output_file_id)
@@ -101,12 +102,13 @@ async def test_a_batch_runs_and_its_results_come_back_in_openais_shapes(client: 
     assert all(x["response"]["status_code"] == 200 and x["error"] is None for x in output)
     assert output[0]["response"]["body"]["usage"]["completion_tokens"] == 4
     errors = {x["custom_id"]: x for x in await lines(client, batch.error_file_id)}
-    assert set(errors) == {None, "unknown-model", "bad-body"}
+    assert set(errors) == {None, "unknown-model", "bad-body", "too-deep"}
     assert errors["unknown-model"]["response"]["status_code"] == 404
     assert errors["unknown-model"]["response"]["body"]["error"]["type"] == "NotFoundError"
     assert errors["bad-body"]["response"]["status_code"] == 400
+    assert "nested deeper than" in errors["too-deep"]["response"]["body"]["error"]["message"]
     assert errors[None]["error"]["code"] in ("invalid_json_line", "missing_custom_id")
-    assert len(await lines(client, batch.error_file_id)) == 4
+    assert len(await lines(client, batch.error_file_id)) == 5
 
     listed = [b.id async for b in client.batches.list()]
     assert listed == [created.id]
