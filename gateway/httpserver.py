@@ -41,9 +41,12 @@ bookkeeping). A client that disconnects cancels its request's handler.
 ``shutdown(grace)`` stops the server as Kubernetes stops a pod (SIGTERM, then SIGKILL after the
 grace period): it stops listening, having first taken the connections the kernel had already
 accepted for it (closing a listening socket resets those, requests and all); it closes the
-connections between requests, answers every request it has begun reading or has yet to answer,
-each answer saying ``Connection: close`` and its connection closed after it; and it returns
-once no connection is left, or at ``grace``, when it cuts the rest.
+keep-alive connections between requests (once the loop has read what had arrived on them),
+answers every request it has begun reading or has yet to answer, and the first one on each
+connection opened but silent so far (its client opened it to send one), each answer saying
+``Connection: close`` and its connection closed after it; and it returns once no connection
+is left, or at ``grace``, when it cuts the rest (a silent connection is closed at
+``header_timeout``, as always).
 """
 
 from __future__ import annotations
@@ -486,6 +489,11 @@ class _Connection(asyncio.Protocol):
         return True
 
     @property
+    def answered(self) -> bool:
+        """It has carried a request (one is only idle between requests; a new one, before its first)."""
+        return self._task is not None
+
+    @property
     def last_answer(self) -> bool:
         """The answer being written is this connection's last: the server is shutting down and
         no pipelined request waits behind it."""
@@ -621,11 +629,14 @@ class HttpServer:
         state.drained = loop.create_future()
         queued = self._accept_queued()
         self._server.close()  # at once after taking the queue: a connection arriving between is reset
-        for conn in list(state.idle):
-            conn.close_quietly()
-            state.forget(conn)
         for sock in queued:
             await loop.connect_accepted_socket(lambda: _Connection(state), sock)
+        for _ in range(2):  # the loop reads what has already arrived: a request begun is not idle
+            await asyncio.sleep(0)
+        for conn in list(state.idle):
+            if conn.answered:  # a new one was opened to send a request: it gets its answer
+                conn.close_quietly()
+                state.forget(conn)
         if state.conns:
             try:
                 await asyncio.wait_for(asyncio.shield(state.drained), grace)

@@ -1,9 +1,10 @@
 """A server that shuts down (SIGTERM, as Kubernetes stops a pod) loses no request it took.
 
 ``HttpServer.shutdown(grace)``: it stops listening, answers every request it has begun
-reading or has yet to answer (each answer says ``Connection: close``, and its connection closes
-after it), closes the connections between requests, and returns once none is left; at the
-grace period it cuts what is still open. Raw sockets on 127.0.0.1, so the test sees the bytes.
+reading or has yet to answer, and the first on a connection opened but silent so far (each
+answer says ``Connection: close``, and its connection closes after it), closes the keep-alive
+connections between requests, and returns once none is left; at the grace period it cuts what
+is still open. Raw sockets on 127.0.0.1, so the test sees the bytes.
 """
 
 from __future__ import annotations
@@ -92,6 +93,24 @@ async def test_a_stopping_server_finishes_what_it_took_and_takes_nothing_new() -
     assert await stopping == 0  # nothing was cut
     for writer in (stream_w, idle_w, half_w):
         writer.close()
+
+
+async def test_a_connection_opened_before_the_stop_gets_the_answer_to_its_first_request() -> None:
+    """A client opens a connection to send a request: the stop must not close it before the
+    request arrives (only a keep-alive connection between requests is idle)."""
+    server = await serve_http(Handler(), reject, "127.0.0.1", 0)
+    port = server.port
+    reader, writer = await connect(port)
+    await eventually(lambda: server.open_connections == 1, what="the server to take the connection")
+
+    stopping = asyncio.ensure_future(server.shutdown(grace=30))
+    await eventually(lambda: refused(port), what="new connections refused")
+    writer.write(QUICK)
+
+    got = await reader.read()
+    assert got.startswith(b"HTTP/1.1 200") and b"Connection: close\r\n" in got and got.endswith(b"ok")
+    assert await stopping == 0
+    writer.close()
 
 
 async def test_at_the_grace_period_what_is_still_open_is_cut() -> None:
