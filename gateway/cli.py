@@ -115,18 +115,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ValidationError, OSError) as exc:
         print(f"kvflow gateway: {exc}", file=sys.stderr)
         return 2
+    from kvflow.gateway.server import SHUTDOWN_GRACE
     from kvflow.gateway.workers import is_worker, supervise
 
+    grace = SHUTDOWN_GRACE if args.shutdown_grace is None else args.shutdown_grace
     if config.workers > 1 and not is_worker():
-        return supervise(list(argv if argv is not None else sys.argv[2:]), config.workers)
+        return supervise(list(argv if argv is not None else sys.argv[2:]), config.workers, grace)
     if args.sidecar:
         from kvflow.sidecar.server import serve_sidecar
 
         run(lambda stopping: cancelled_when(stopping, serve_sidecar(config, args.upstream)))
     else:
-        from kvflow.gateway.server import SHUTDOWN_GRACE, serve
+        from kvflow.gateway.server import serve
 
-        grace = SHUTDOWN_GRACE if args.shutdown_grace is None else args.shutdown_grace
         run(lambda stopping: serve(config, stopping, grace))
     return 0
 

@@ -22,8 +22,9 @@ def is_worker() -> bool:
     return WORKER_ENV in os.environ
 
 
-def supervise(argv: Sequence[str], workers: int) -> int:
-    """Run ``kvflow gateway ARGV`` ``workers`` times; when one exits, stop the rest."""
+def supervise(argv: Sequence[str], workers: int, grace: float) -> int:
+    """Run ``kvflow gateway ARGV`` ``workers`` times; when one exits, stop the rest. A stopped
+    worker drains for up to ``grace`` seconds (``--shutdown-grace``): it is killed only after."""
     children = [
         subprocess.Popen([sys.executable, "-m", "kvflow", "gateway", *argv], env={**os.environ, WORKER_ENV: str(i)})
         for i in range(workers)
@@ -48,7 +49,7 @@ def supervise(argv: Sequence[str], workers: int) -> int:
     stop(signal.SIGTERM, None)
     for child in children:
         try:
-            child.wait(timeout=10)
+            child.wait(timeout=grace + 5)  # its own drain ends first
         except subprocess.TimeoutExpired:
             child.kill()
     return 0 if stopping else code
