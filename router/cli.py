@@ -85,6 +85,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="request body bytes ext_proc buffers across all requests (a body that does not fit: 503)")
     p.add_argument("--allow-client-header", action="append", default=[], metavar="NAME",
                    help="x-kvflow-profile / x-kvflow-priority: let clients choose (off by default)")
+    p.add_argument("--shutdown-grace", type=float, default=25.0, metavar="SECONDS",
+                   help="on SIGTERM, seconds the ext_proc streams in flight get to finish (default 25: under "
+                        "Kubernetes' 30 s grace period; Envoy streams each answer through them)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(list(argv))
 
@@ -260,9 +263,9 @@ async def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(grace=1)
-    if health is not None:
+    if health is not None:  # first: the readiness probe fails while the streams in flight finish
         await health.stop(grace=None)
+    await server.stop(grace=args.shutdown_grace)
     if runner is not None:
         await runner.cleanup()
     await router.stop()
