@@ -63,6 +63,17 @@ class Response:
     def content_type(self) -> str:
         return self.headers.get("content-type", "")
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of the body that have arrived and wait to be read (or piped)."""
+        return self._buffered
+
+    @property
+    def paused(self) -> bool:
+        """Whether reading from the pod is paused: the buffer, or the reader the body is piped
+        to, is full. False once the response is released or closed."""
+        return self._conn is not None and self._conn.paused
+
     async def readany(self, timeout: float | None = None) -> bytes:
         """The next piece of the body as it arrived; b"" at the end."""
         while not self._chunks:
@@ -319,6 +330,16 @@ class ConnectionPool:
         self.connect_timeout = connect_timeout
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._all: set[_Connection] = set()
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open to all pods together, idle or carrying an exchange."""
+        return len(self._all)
+
+    @property
+    def idle_connections(self) -> dict[tuple[str, int], int]:
+        """Per pod (host, port) with any, the connections waiting in the pool for its next request."""
+        return {key: len(idle) for key, idle in self._idle.items() if idle}
 
     async def post(self, host: str, port: int, path: str, body: bytes, headers: Iterable[tuple[str, str]],
                    timeout: float | None = None, method: str = "POST") -> Response:

@@ -12,8 +12,14 @@ import pytest
 from aiohttp import web
 
 from kvflow.gateway.http1 import ConnectError, ConnectionPool
-from kvflow.gateway.httpserver import Request, Responder, serve_http
+from kvflow.gateway.httpserver import HttpServer, Request, Responder, serve_http
 from kvflow.gateway.server import reject
+from tests.waiting import eventually
+
+
+async def hang() -> None:
+    """A handler that never answers: it waits until it is cancelled."""
+    await asyncio.Event().wait()
 
 
 async def echo(request: Request, out: Responder) -> None:
@@ -26,12 +32,12 @@ async def echo(request: Request, out: Responder) -> None:
     if request.path == "/late-stream":  # its first piece comes after a while, an empty stream at once
         out.start(200, [("Content-Type", "text/event-stream")])
         if request.query != "empty":
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # a pod slow to its first token: the head must wait for it
             await out.write(b"data: 0\n\n")
         out.end()
         return
     if request.path == "/hang":
-        await asyncio.sleep(3600)
+        await hang()
     data = {"method": request.method, "path": request.path, "query": request.query,
             "body": request.body.decode(), "x": request.headers.get("x-thing")}
     out.send(200, json.dumps(data).encode(), [("Content-Type", "application/json")])
@@ -107,20 +113,21 @@ async def test_a_stream_with_no_piece_still_sends_its_head(server: str) -> None:
 
 
 async def test_a_client_that_leaves_cancels_the_handler() -> None:
-    cancelled = asyncio.Event()
+    started, cancelled = asyncio.Event(), asyncio.Event()
 
     async def slow(request: Request, out: Responder) -> None:
+        started.set()
         try:
-            await asyncio.sleep(3600)
+            await hang()
         except asyncio.CancelledError:
             cancelled.set()
             raise
 
     srv = await serve_http(slow, reject, "127.0.0.1", 0, max_body=100)
-    _, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+    _, writer = await asyncio.open_connection("127.0.0.1", srv.port)
     writer.write(b"GET / HTTP/1.1\r\n\r\n")
     await writer.drain()
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(started.wait(), 5)
     writer.close()
     await asyncio.wait_for(cancelled.wait(), 5)
     srv.close()
@@ -140,7 +147,7 @@ async def aio_server() -> AsyncIterator[tuple[str, int, list[str]]]:
         await out.prepare(request)
         for i in range(3):
             await out.write(f"data: {i}\n\n".encode())
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # a pod's tokens come apart: each piece is read on its own
         return out
 
     app = web.Application()
@@ -150,7 +157,7 @@ async def aio_server() -> AsyncIterator[tuple[str, int, list[str]]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    yield "127.0.0.1", site._server.sockets[0].getsockname()[1], peers  # type: ignore[union-attr]
+    yield "127.0.0.1", runner.addresses[0][1], peers
     await runner.cleanup()
 
 
@@ -200,15 +207,15 @@ async def test_pool_replaces_a_connection_the_pod_closed_while_idle() -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     pool = ConnectionPool()
     try:
         for _ in range(2):
             r = await pool.post("127.0.0.1", port, "/", b"", [], timeout=5)
             assert await r.read(5) == b"ok"
             r.release()
-            await asyncio.sleep(0.3)  # the server closes the idle keep-alive connection
-        assert len(pool._all) == 0 and pool._idle.get(("127.0.0.1", port)) == []
+            await eventually(lambda: pool.open_connections == 0, what="the pod to close the idle connection")
+        assert pool.idle_connections == {}
     finally:
         pool.close()
         await runner.cleanup()
@@ -218,7 +225,7 @@ async def test_pool_replaces_a_connection_the_pod_closed_while_idle() -> None:
 async def slow_echo() -> AsyncIterator[tuple[str, int]]:
     """A pod that answers each POST with its body after a short delay, so exchanges overlap."""
     async def handle(request: Request, out: Responder) -> None:
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the pod's delay
         out.send(200, request.body, [("Content-Type", "text/plain")])
 
     srv = await serve_http(handle, reject, "127.0.0.1", 0, max_body=100)
@@ -243,13 +250,13 @@ async def test_a_response_released_twice_gives_its_connection_back_once(slow_ech
         assert await r.read(2) == b"first"
         r.release()
         r.release()
-        assert len(pool._idle[slow_echo]) == 1
+        assert (pool.idle_connections, pool.open_connections) == ({slow_echo: 1}, 1)
         for wave in range(3):
             bodies = [f"w{wave}-{i}".encode() for i in range(8)]
             answers = await asyncio.wait_for(asyncio.gather(*(_ask(pool, slow_echo, b) for b in bodies)), 5)
             assert answers == bodies
-        idle = pool._idle[slow_echo]
-        assert len(idle) == len(set(idle)) == 8
+        # eight in the idle list and eight open: none of them is in the list twice
+        assert (pool.idle_connections, pool.open_connections) == ({slow_echo: 8}, 8)
     finally:
         pool.close()
 
@@ -263,11 +270,11 @@ async def test_a_late_close_of_a_finished_response_leaves_the_next_exchange_alon
         assert await first.read(2) == b"one"
         first.release()
         second = await pool.post(*slow_echo, "/", b"two", [], timeout=2)
-        assert len(pool._all) == 1  # the same connection
+        assert pool.open_connections == 1  # the same connection
         first.close()
         assert await second.read(2) == b"two"
         second.release()
-        assert len(pool._idle[slow_echo]) == 1
+        assert pool.idle_connections == {slow_echo: 1}
     finally:
         pool.close()
 
@@ -285,14 +292,14 @@ async def test_an_answer_nobody_asked_for_retires_the_connection() -> None:
     pool = ConnectionPool()
     try:
         assert [await _ask(pool, address, b"") for _ in range(2)] == [b"one", b"one"]
-        assert pool._idle.get(address, []) == []
+        assert pool.idle_connections == {}
     finally:
         pool.close()
         srv.close()
 
 
 @pytest.fixture
-async def ticker() -> AsyncIterator[tuple[str, int]]:
+async def ticker_pod() -> AsyncIterator[HttpServer]:
     """A pod that answers at once, then streams ``n`` pieces ``every`` seconds apart (the first
     after ``every``) and ends, hangs or drops the connection (``then``), as the query string
     says: ``/?n=3&every=0.01&then=end``."""
@@ -301,18 +308,22 @@ async def ticker() -> AsyncIterator[tuple[str, int]]:
         out.start(200, [("Content-Type", "text/event-stream")])
         await out.drain()  # the head at once (else it goes with the first piece)
         for i in range(int(q["n"])):
-            await asyncio.sleep(float(q["every"]))
+            await asyncio.sleep(float(q["every"]))  # a pod's tokens, one a step
             await out.write(f"data: {i}\n\n".encode())
         if q["then"] == "hang":
-            await asyncio.sleep(3600)
-        if q["then"] == "close":
-            out._conn.abort()
-            return
+            await hang()
+        if q["then"] == "close":  # a handler failing mid-stream: the server cuts the connection
+            raise ConnectionAbortedError("the pod drops the connection")
         out.end()
 
     srv = await serve_http(handle, reject, "127.0.0.1", 0, max_body=100)
-    yield "127.0.0.1", srv.sockets[0].getsockname()[1]
+    yield srv
     srv.close()
+
+
+@pytest.fixture
+def ticker(ticker_pod: HttpServer) -> tuple[str, int]:
+    return "127.0.0.1", ticker_pod.port
 
 
 def _ticks(n: int) -> bytes:
@@ -333,18 +344,16 @@ async def pool() -> AsyncIterator[ConnectionPool]:
 async def test_pipe_hands_on_every_piece_in_order_what_was_buffered_first(ticker, pool) -> None:  # type: ignore[no-untyped-def]
     r = await pool.post(*ticker, "/?n=6&every=0.02&then=end", b"", [], timeout=2)
     first = await r.readany(2)  # as the gateway reads the first token before it relays the rest
-    await asyncio.sleep(0.05)  # more pieces wait in the buffer when the pipe starts
-    assert r._chunks
+    await eventually(lambda: r.buffered, timeout=2, what="more pieces in the buffer when the pipe starts")
     piped: list[bytes] = []
     await asyncio.wait_for(r.pipe(lambda c: piped.append(c) is None, _no_wait, idle=1), 5)
     assert first + b"".join(piped) == _ticks(6) and len(piped) >= 3
     r.release()
-    assert len(pool._idle[ticker]) == 1  # read to its end: the connection is kept
+    assert pool.idle_connections == {ticker: 1}  # read to its end: the connection is kept
 
 
 async def test_pipe_pauses_the_pod_while_the_reader_is_full(ticker, pool) -> None:  # type: ignore[no-untyped-def]
     r = await pool.post(*ticker, "/?n=5&every=0.01&then=end", b"", [], timeout=2)
-    conn = r._conn
     piped: list[bytes] = []
     paused_while_draining: list[bool] = []
 
@@ -353,12 +362,12 @@ async def test_pipe_pauses_the_pod_while_the_reader_is_full(ticker, pool) -> Non
         return len(piped) != 2  # the reader is full after the second piece
 
     async def drain() -> None:
-        paused_while_draining.append(conn.paused)
-        await asyncio.sleep(0.1)
+        paused_while_draining.append(r.paused)
+        await asyncio.sleep(0.1)  # a client slow to make room
 
     await asyncio.wait_for(r.pipe(sink, drain, idle=1), 5)
     assert b"".join(piped) == _ticks(5)
-    assert paused_while_draining == [True] and not conn.paused  # read again once drained
+    assert paused_while_draining == [True] and not r.paused  # read again once drained
     r.release()
 
 
@@ -374,7 +383,7 @@ async def test_pipe_fails_a_stream_the_pod_leaves_silent_for_idle_seconds(ticker
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(r.pipe(lambda c: True, _no_wait, idle=0.2), 5)
     assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
-    assert not pool._all  # its connection (the first stream's, reused) was dropped
+    assert pool.open_connections == 0  # its connection (the first stream's, reused) was dropped
 
 
 async def test_pipe_raises_when_the_pod_drops_the_connection_mid_stream(ticker, pool) -> None:  # type: ignore[no-untyped-def]
@@ -385,22 +394,22 @@ async def test_pipe_raises_when_the_pod_drops_the_connection_mid_stream(ticker, 
     assert b"".join(piped) == _ticks(2)
 
 
-async def test_a_relay_that_ends_while_its_reader_is_full_leaves_the_connection_reading(ticker, pool) -> None:  # type: ignore[no-untyped-def]
+async def test_a_relay_that_ends_while_its_reader_is_full_leaves_the_connection_reading(ticker_pod, ticker, pool) -> None:  # type: ignore[no-untyped-def]
     r = await pool.post(*ticker, "/?n=4&every=0.05&then=end", b"", [], timeout=2)
-    conn = r._conn
     piped: list[bytes] = []
 
     def full(chunk: bytes) -> bool:
         piped.append(chunk)
         return False
 
-    async def slow_drain() -> None:
-        await asyncio.sleep(0.2)  # meanwhile the pod sends the rest and the end: read at once after
+    async def slow_drain() -> None:  # meanwhile the pod sends the rest and the end: read at once after
+        await eventually(lambda: ticker_pod.idle_connections == 1, timeout=2, what="the pod to end its answer")
 
     await asyncio.wait_for(r.pipe(full, slow_drain, idle=1), 5)
-    assert b"".join(piped) == _ticks(4) and conn.paused  # the end came in while the reader was full
+    assert b"".join(piped) == _ticks(4) and r.paused  # the end came in while the reader was full
     r.release()
-    assert not conn.paused  # given back reading, or the next exchange on it would hang
+    assert pool.idle_connections == {ticker: 1}
     again = await pool.post(*ticker, "/?n=2&every=0&then=end", b"", [], timeout=2)
-    assert again._conn is conn and await again.read(2) == _ticks(2)
+    assert pool.open_connections == 1  # the one that was paused, not a new one
+    assert await again.read(2) == _ticks(2)  # given back reading: else it would hang
     again.release()
