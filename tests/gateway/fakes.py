@@ -132,7 +132,7 @@ class FakePod:
         self.received.append(body)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
         if self.behaviour == "stall":
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # never set: silent until the gateway goes away
         if self.behaviour == "500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         if self.behaviour == "400":
@@ -161,7 +161,7 @@ class FakePod:
                     request.transport.close()  # type: ignore[union-attr]
                     return out
                 if self.behaviour == "hang" and i == 1:
-                    await asyncio.sleep(3600)
+                    await asyncio.Event().wait()  # never set: silent until the gateway goes away
                 chunk = {"id": "c", "object": "text_completion", "model": body["model"],
                          "choices": [{"index": 0, "text": f"{self.name}-{i} ", "finish_reason": None}]}
                 await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
