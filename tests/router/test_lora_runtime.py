@@ -6,9 +6,7 @@ them at run time and the router, started once, follows.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -17,17 +15,10 @@ import pytest
 from kvflow.errors import NoCapacityError
 from kvflow.router import Incoming, Router, SchedulingRequest, load_config
 from kvflow.router.plugins.lora_affinity import ROOM, lora_score
+from tests.waiting import eventually
 
 RUNTIME = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 LORA_PODS = ("--profile", "instant", "--enable-lora", "--max-loras", "2")
-
-
-async def eventually(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        await asyncio.sleep(0.02)
-    return result
 
 
 async def lora_call(pod: Any, action: str, name: str, path: str = "") -> None:
