@@ -11,9 +11,9 @@ revision while decode still runs the old one, the requests stay aggregated inste
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -85,19 +85,26 @@ async def test_pd_pairs_never_mix_revisions_during_a_model_rollout(
             if seen.get(Role.PREFILL, set()) and seen.get(Role.PREFILL) != seen.get(Role.DECODE):
                 mixed_pools = True
 
-        async def load_until(predicate: Any) -> None:
-            while not predicate():
+        async def steady_stream() -> None:
+            while True:
                 decide()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the stream's pace: a request every 10 ms
 
-        await load_until(lambda: len(decisions) >= 20)
-        await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"model": {"name": "sim-model-v2"}}})
-        new_generation = lambda: (status(h).get("observedGeneration") == 2  # noqa: E731
-                                  and status(h).get("phase") == "Ready"
-                                  and revisions(router).get(Role.DECODE, old) != old
-                                  and len(revisions(router).get(Role.DECODE, ())) == 1)
-        await asyncio.wait_for(load_until(new_generation), 60)
-        new = revisions(router)[Role.DECODE]
+        def rolled_out() -> bool:
+            return (status(h).get("observedGeneration") == 2 and status(h).get("phase") == "Ready"
+                    and revisions(router).get(Role.DECODE, old) != old
+                    and len(revisions(router).get(Role.DECODE, ())) == 1)
+
+        stream = asyncio.create_task(steady_stream())
+        try:
+            await eventually(lambda: len(decisions) >= 20, what="20 decisions before the update")
+            await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"model": {"name": "sim-model-v2"}}})
+            await eventually(rolled_out, timeout=60, what="decode pods all on the new revision")
+            new = revisions(router)[Role.DECODE]
+        finally:
+            stream.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stream
         for _ in range(20):
             decide()
     finally:
