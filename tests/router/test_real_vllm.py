@@ -17,6 +17,7 @@ from kvflow.endpoints import EndpointId
 from kvflow.local.procs import ProcessGroup, free_port
 from kvflow.router import Router, SchedulingRequest, load_config
 from kvflow.tokenizer import prompt_token_ids
+from tests.waiting import eventually
 
 pytestmark = [
     pytest.mark.real_vllm,
@@ -60,7 +61,9 @@ async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
     from kvflow.local.realvllm import SERVED_MODEL_NAME
 
     async with vllm_and_router(tmp_path, profile="prefix-precise") as (router, port):
-        await asyncio.sleep(0.5)  # SUB connected before the first event
+        # SUB connected before the first event: ZeroMQ drops what a PUB sends before, and
+        # nothing the router offers tells that its socket has connected
+        await asyncio.sleep(0.5)
         body = {
             "model": SERVED_MODEL_NAME,
             "prompt": "the quick brown fox jumps over the lazy dog " * 30,
@@ -77,10 +80,8 @@ async def test_precise_index_follows_real_vllm(tmp_path: Path) -> None:
         # The router tokenised exactly as vLLM did...
         assert usage["prompt_tokens"] == len(tokens)
         endpoint = router.endpoints[0]
-        for _ in range(100):
-            if router.precise.blocks_of(endpoint.id) >= full_blocks:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: router.precise.blocks_of(endpoint.id) >= full_blocks, timeout=5,
+                         what=lambda: f"{full_blocks} blocks indexed, {router.precise.blocks_of(endpoint.id)} so far")
         # ...and hashed exactly as vLLM did: every full prompt block is found by its hash.
         result = router.decide(SchedulingRequest("second", SERVED_MODEL_NAME, tokens)).result
         assert result.cached_tokens == full_blocks * BLOCK
@@ -116,10 +117,7 @@ async def test_predicted_evictions_agree_with_real_vllm(tmp_path: Path) -> None:
         endpoint = router.endpoints[0]
         counter = router.datastore.counter(endpoint.id)
         assert counter is not None
-        for _ in range(200):
-            if counter.kv_capacity:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: counter.kv_capacity, timeout=10, what="the pod's KV capacity scraped")
         assert counter.kv_capacity == GPU_BLOCKS * BLOCK
         counter.working_set = WorkingSet(BLOCK, window=3600.0, sample_bits=0)
         fingerprints = [router.fingerprints(SchedulingRequest(f"fp{i}", SERVED_MODEL_NAME, p)).array
