@@ -196,7 +196,7 @@ def replay(window: TraceWindow, rate: float, duration: float, seed: int = 0) -> 
             break
         i = len(requests)
         out = window.output_tokens(r)
-        text = prompt(window, r, max_tokens=window.max_model_len - out)
+        text = prompt(window, r, max_tokens=window.max_model_len - out - 1)  # the tokenizer adds a BOS token
         requests.append(TraceRequest(i, at, text, out, seed * 1_000_003 + i, f"h{r.hash_ids[0]}"))
     return Trace("trace", rate, duration, tuple(requests))
 
