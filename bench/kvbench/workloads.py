@@ -186,8 +186,8 @@ TIERED = (("groups", 120), ("per_group", 1), ("system_len", 4000), ("question_le
 """llm-d's tiered-prefix-cache benchmark, scaled: many long system prompts whose total (120 x
 4,000 tokens = 30,000 blocks) is three times the four pods' GPU KV (4 x 2,400 blocks), so even a
 router that partitions them keeps only a third on the GPUs; with offloading (``e-cpu``) each
-pod's CPU tier (16,000 blocks: 31 GiB at h100-llama8b's 2 MiB a block) holds its share of them
-and more."""
+pod's CPU tier (32,000 blocks: 62 GiB at h100-llama8b's 2 MiB a block, a small share of a GPU
+node's host memory) holds all of them, wherever a router sends them."""
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -197,7 +197,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("c", "multi-turn"),
         Workload("d", "shared-prefix", decode_pods=2, prefill_pods=2),
         Workload("e", "shared-prefix", params=TIERED),
-        Workload("e-cpu", "shared-prefix", params=TIERED, cpu_blocks=16000),
+        Workload("e-cpu", "shared-prefix", params=TIERED, cpu_blocks=32000),
     )
 }
 SMOKE = Workload("smoke", "shared-prefix", decode_pods=2, num_blocks=300,
@@ -219,5 +219,5 @@ DESCRIPTIONS = {
     "c": "multi-turn chat (5 turns, growing history)",
     "d": "shared prefix with P/D (2 prefill + 2 decode pods)",
     "e": "tiered prefix (120 system prompts x 4000 + 200 tokens, 3x GPU KV), no offloading",
-    "e-cpu": "tiered prefix (120 system prompts x 4000 + 200 tokens), 16000-block CPU tier per pod",
+    "e-cpu": "tiered prefix (120 system prompts x 4000 + 200 tokens), 32000-block CPU tier per pod",
 }

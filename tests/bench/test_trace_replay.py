@@ -146,7 +146,7 @@ def test_the_tiered_workloads_pods_get_a_cpu_tier_of_exactly_its_blocks() -> Non
     assert offload_args(WORKLOADS["e"]) == ()
     flag, gib, backend, native = offload_args(WORKLOADS["e-cpu"])
     assert (flag, backend, native) == ("--kv-offloading-size", "--kv-offloading-backend", "native")
-    assert num_cpu_blocks(float(gib), 16, get_profile("h100-llama8b").kv_bytes_per_token) == 16000
+    assert num_cpu_blocks(float(gib), 16, get_profile("h100-llama8b").kv_bytes_per_token) == 32000
     e = WORKLOADS["e"]
     working_set = dict(e.params)["groups"] * dict(e.params)["system_len"] // 16  # type: ignore[operator]
     assert working_set > e.decode_pods * e.num_blocks  # the prompts do not fit the GPUs
