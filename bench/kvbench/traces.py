@@ -20,7 +20,8 @@ Time: a ``TraceWindow`` picks the records arriving in ``[start_s, end_s)`` of tr
 replays them open loop, each at its timestamp, compressed so that the window's mean rate is the
 rate asked for (``replay``): the routing benchmark's rate search then works on a trace as on a
 synthetic workload. ``duration`` cuts the replay; seed ``k`` starts ``k`` durations later in
-the window, so several seeds are consecutive slices of the same trace.
+the window, so several seeds are consecutive slices of the same trace (the window repeating
+from its start once they pass its end).
 """
 
 from __future__ import annotations
@@ -179,19 +180,22 @@ def prompt(window: TraceWindow, record: TraceRecord, max_tokens: int | None = No
 def replay(window: TraceWindow, rate: float, duration: float, seed: int = 0) -> Trace:
     """The window replayed open loop at mean rate ``rate``: each record at its timestamp, time
     compressed by ``rate / natural_rate``; the slice of ``duration`` seconds after ``seed``
-    earlier slices."""
+    earlier slices. A slice covers the window at most once, and one that runs past its end (a
+    late seed at a high rate) goes on from its first record, one window span later."""
     records = window.window()
     if not records:
         raise ValueError(f"{window.describe()}: no requests in the window")
     if not rate > 0 or not duration > 0:
         raise ValueError(f"a trace replays at a rate and for a duration > 0, got {rate} req/s for {duration} s")
-    speedup = rate / (len(records) / window.span_s(records))
-    t0 = window.start_s * 1000 + seed * duration * speedup * 1000
+    span_ms = window.span_s(records) * 1000
+    speedup = rate / (len(records) / (span_ms / 1000))
+    t0 = window.start_s * 1000 + (seed * duration * speedup * 1000) % span_ms
     requests: list[TraceRequest] = []
-    for r in records:
-        at = (r.timestamp_ms - t0) / 1000 / speedup
-        if at < 0:
-            continue
+    # one pass over the window from t0: its records from there, then (a lap later) those before
+    cycle = [(r.timestamp_ms - t0, r) for r in records if r.timestamp_ms >= t0]
+    cycle += [(r.timestamp_ms + span_ms - t0, r) for r in records if r.timestamp_ms < t0]
+    for offset_ms, r in cycle:
+        at = offset_ms / 1000 / speedup
         if at >= duration:
             break
         i = len(requests)

@@ -106,6 +106,10 @@ def test_a_window_replays_open_loop_at_the_rate_asked() -> None:
     later = traces.replay(w, rate=2.0, duration=1.2, seed=1)  # the next slice of the window
     assert [r.at for r in later.requests] == pytest.approx([0.3, 0.8])
     assert [r.prompt for r in later.requests] == [traces.prompt(w, records[5]), traces.prompt(w, records[6])]
+    # a slice past the window's end goes on from its start: every seed replays something
+    wrapped = traces.replay(w, rate=2.0, duration=1.2, seed=2)  # starts 2 x 2.4 s in, 0.6 s before the end
+    assert [r.at for r in wrapped.requests] == pytest.approx([0.1, 0.6, 1.1])
+    assert [r.prompt for r in wrapped.requests] == [traces.prompt(w, records[i]) for i in (7, 2, 3)]
 
 
 def test_a_window_without_requests_says_so() -> None:
