@@ -232,6 +232,8 @@ def summary(rows: Sequence[Row]) -> str:
             vs_ref, vs_ref_p90, vs_oracle, pod_vs_oracle, vs_live = [], [], [], [], []
             vs_best, vs_best_p90 = [], []
             for r in runs:
+                if math.isnan(r.ttft_mean_ms):  # a run with no answered request has no ratios
+                    continue
                 same = [o for o in mine if o.seed == r.seed]
                 ref = next((o for o in same if o.router == REFERENCE), None)
                 oracle = next((o for o in same if o.router == ORACLE), None)
