@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvflow import openai_api
-from kvflow.errors import InvalidRequestError, KvflowError, ModelNotFoundError, NoCapacityError, from_exception
+from kvflow.errors import KvflowError, ModelNotFoundError, NoCapacityError, from_exception
 from kvflow.gateway.accesslog import AccessLog
 from kvflow.gateway.auth import ApiKey, Authenticator
 from kvflow.gateway.body import client_body, parse_json
@@ -38,7 +38,7 @@ from kvflow.router.dashboard import HEADERS as PAGE_HEADERS, PAGE_PATH, page_fil
 from kvflow.router.flight import Flight
 from kvflow.router.request import Incoming, PoolNames, tokens_off_loop
 from kvflow.endpoints import Endpoint
-from kvflow.routing_headers import EXPLAIN, PRIORITY, strip_client_routing
+from kvflow.routing_headers import EXPLAIN, PRIORITY, header_priority, strip_client_routing
 
 if TYPE_CHECKING:  # the Batch API's service is built on the gateway: named here for its type only
     from kvflow.gateway.batch.service import BatchService
@@ -282,13 +282,7 @@ class Gateway:
             return key.priority
         if PRIORITY not in allowed:  # choosing one's own priority is off unless configured
             return 0
-        text = request.headers.get(self._priority_header)
-        if text is None:
-            return 0
-        try:
-            return int(text)
-        except ValueError:
-            raise InvalidRequestError(f"{self._priority_header} must be an integer", param="priority") from None
+        return header_priority(request.headers, self._priority_header)
 
     async def _serve(self, request: Request, out: Responder, ex: Exchange, pool: Pool, body: dict[str, Any],
                      priority: int = 0) -> None:

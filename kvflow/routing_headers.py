@@ -11,7 +11,9 @@ configuration (per API key on the gateway); the destination headers never are.
 
 from __future__ import annotations
 
-from collections.abc import Collection, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
+
+from kvflow.errors import InvalidRequestError
 
 DESTINATION = "x-gateway-destination-endpoint"
 PREFILLER = "x-prefiller-host-port"
@@ -58,3 +60,15 @@ def check_allowable(names: Collection[str]) -> list[str]:
     if bad:
         raise ValueError(f"clients may only be allowed {', '.join(sorted(ALLOWABLE))}, not {', '.join(bad)}")
     return lowered
+
+
+def header_priority(headers: Mapping[str, str], name: str = PRIORITY) -> int:
+    """The integer priority a request's ``name`` header sets (0 without one); a value that is
+    not an integer is a 400, on every entry that reads it."""
+    text = headers.get(name)
+    if text is None:
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an integer", param="priority") from None

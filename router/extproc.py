@@ -47,13 +47,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvflow.errors import InvalidRequestError, KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
+from kvflow.errors import KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
 from kvflow.request_body import DEFAULT_BUFFERED_BODIES, DEFAULT_MAX_DEPTH, BodyBudget, client_body
 from kvflow.router.flight import Flight
 from kvflow.router.model import SchedulingResult
 from kvflow.router.request import Incoming
 from kvflow.router.router import Router
-from kvflow.routing_headers import DESTINATION, NEVER_FROM_CLIENTS, PICKED, PREFILLER, PRIORITY, strip_client_routing
+from kvflow.routing_headers import (
+    DESTINATION, NEVER_FROM_CLIENTS, PICKED, PREFILLER, header_priority, strip_client_routing,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,13 +173,7 @@ def incoming(headers: dict[str, str], body: bytes, max_depth: int = DEFAULT_MAX_
 def priority(headers: Mapping[str, str]) -> int:
     """An allowed ``x-kvflow-priority`` (``ExtProcLimits.allow_client_headers``; stripped
     otherwise), else 0; not an integer is a 400, as on the gateway."""
-    text = headers.get(PRIORITY)
-    if text is None:
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise InvalidRequestError(f"{PRIORITY} must be an integer", param="priority") from None
+    return header_priority(headers)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
