@@ -64,7 +64,8 @@ import numpy as np
 from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.hashing import hash_fn, hash_request_tokens, none_hash, to_external
 from kvflow.router import EngineMetrics, Flight, Router, SchedulingRequest, load_config
-from kvflow.router import block_table, fingerprint
+from kvflow.router import block_table, fingerprint, framework
+from kvflow.router.plugins import max_score
 from kvflow.router.block_table import BlockTable
 from kvflow.protocol.kv_events import BlockRemoved, BlockStored, KvEvent, decode_runs
 from kvflow.router.kv_events import apply
@@ -143,13 +144,15 @@ class DecisionRow:
 
 @contextlib.contextmanager
 def numpy_only() -> Iterator[None]:
-    """The router's loops over a prompt's blocks in numpy, as where ``kvflow._native`` is not built."""
-    saved = fingerprint.native, block_table.native
+    """The router's loops over a prompt's blocks in numpy, and its tie-break draws in Python, as
+    where ``kvflow._native`` is not built."""
+    saved = fingerprint.native, block_table.native, max_score.tie_break
     fingerprint.native = block_table.native = None  # type: ignore[assignment]
+    max_score.tie_break = framework.splitmix64_draw
     try:
         yield
     finally:
-        fingerprint.native, block_table.native = saved
+        fingerprint.native, block_table.native, max_score.tie_break = saved
 
 
 def decision(n_endpoints: int, blocks: int, n_tokens: int, repeat: int) -> DecisionRow:

@@ -15,11 +15,23 @@
  *       the last partial block's too. The caller then converts the tokens as
  *       ``blockbytes.as_int64`` does (numpy integers count by their value) or refuses them.
  *
- *   find_prefix(slots, keys, hashes, mul, shift) -> bytes
- *       The records (int32) of the leading ``hashes`` found in an open-addressing table:
- *       ``slots`` (int32 record numbers, -1 empty, a power of two long), ``keys`` (uint64, the
- *       key of each record), a key's home slot ``(key * mul mod 2**64) >> shift``, probed
- *       linearly. Stops at the first key not in the table.
+ *   find_prefix_runs(slots, keys, mixes, hashes, mul, shift) -> (found, runs)
+ *       How many leading ``hashes`` an open-addressing table holds: ``slots`` (int32 record
+ *       numbers, -1 empty, a power of two long), ``keys`` (uint64, the key of each record), a
+ *       key's home slot ``(key * mul mod 2**64) >> shift``, probed linearly; the walk stops at
+ *       the first key not in the table. ``runs``: ``(i, record)`` for the first key found and
+ *       each later one whose record's ``mixes`` (uint32, one per record) differs from the one
+ *       before, where a block's holders may change (router/block_table.py, ``BlockTable.match``).
+ *
+ *   probe_slots(slots, keys, hashes, mul, shift) -> (homes, slots)
+ *       For each of a sequence of keys (ints below 2**64), its home slot in the same table, and
+ *       ``_Slots.probe``'s answer: the slot holding its record, else the free slot where its
+ *       record goes (a ValueError if the run has none: the table is full or names records past
+ *       its keys).
+ *
+ *   tie_break(seed, k) -> int
+ *       SplitMix64's ``k``-th output from ``seed`` (both taken mod 2**64): ``splitmix64(seed +
+ *       (k + 1) * 0x9E3779B97F4A7C15)``, a picker's ``k``-th tie-break draw (router/framework.py).
  *
  *   WordIds(max_words): the built-in tokenizer's memo of words (kvflow/tokenizer.py,
  *   ``BuiltinTokenizer``), ASCII word -> token id, as a dict would hold it (``table[word] = id``,
@@ -50,6 +62,20 @@ static inline int token_value(PyObject *item, uint64_t *out) {
     int overflow = 0;
     if (!PyLong_CheckExact(item))
         return -1;
+    /* Token ids are small: read an int of one machine digit in place, without the call that
+     * converts any int (most of a prompt's cost was that call, once per token). */
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        *out = (uint64_t)(int64_t)PyUnstable_Long_CompactValue((PyLongObject *)item);
+        return 0;
+    }
+#else
+    Py_ssize_t digits = Py_SIZE(item);
+    if (digits >= -1 && digits <= 1) {
+        *out = (uint64_t)((int64_t)digits * (int64_t)((PyLongObject *)item)->ob_digit[0]);
+        return 0;
+    }
+#endif
     long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
     if (overflow || (v == -1 && PyErr_Occurred())) {
         PyErr_Clear();
@@ -105,43 +131,147 @@ done:
     return result;
 }
 
-static PyObject *find_prefix(PyObject *self, PyObject *args) {
-    Py_buffer slots, keys, hashes;
-    unsigned long long mul;
+/* A slot table as router/block_table.py keeps one (``_Slots``): ``slot`` holds record numbers
+ * (-1: empty), ``key`` each record's key, a key's home is ``(key * mul mod 2**64) >> shift``. */
+typedef struct {
+    const int32_t *slot;
+    const uint64_t *key;
+    Py_ssize_t records;
+    uint64_t mul, mask;
     int shift;
-    if (!PyArg_ParseTuple(args, "y*y*y*Ki", &slots, &keys, &hashes, &mul, &shift))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t size = slots.len / 4, records = keys.len / 8, n = hashes.len / 8, found = 0;
+} SlotTable;
+
+/* ``t`` over the buffers, or -1 with an exception set when they are not such a table. */
+static int slot_table(SlotTable *t, const Py_buffer *slots, const Py_buffer *keys, uint64_t mul, int shift) {
+    Py_ssize_t size = slots->len / 4;
     if (size <= 0 || (size & (size - 1)) || shift < 1 || shift > 63 || (((uint64_t)1 << (64 - shift)) != (uint64_t)size)) {
         PyErr_SetString(PyExc_ValueError, "slots must be a power of two long, with shift = 64 - log2(len(slots))");
-        goto done;
+        return -1;
     }
-    result = PyBytes_FromStringAndSize(NULL, n * 4);
-    if (result == NULL)
+    *t = (SlotTable){slots->buf, keys->buf, keys->len / 8, mul, (uint64_t)size - 1, shift};
+    return 0;
+}
+
+/* ``_Slots.probe``, the one probe loop: the slot of h's probe run that holds h's record, else the
+ * slot the run ends at, empty where h's record goes. A run also ends at a slot naming a record
+ * past the keys (never read) and once every slot was read (a full table). */
+static inline uint64_t slot_probe(const SlotTable *t, uint64_t h) {
+    uint64_t s = (h * t->mul) >> t->shift, probes = 1;
+    int32_t r = t->slot[s];
+    while (r >= 0 && r < t->records && t->key[r] != h && probes++ <= t->mask) {
+        s = (s + 1) & t->mask;
+        r = t->slot[s];
+    }
+    return s;
+}
+
+/* The record whose key is h, or -1. */
+static inline int32_t slot_find(const SlotTable *t, uint64_t h) {
+    int32_t r = t->slot[slot_probe(t, h)];
+    return r >= 0 && r < t->records && t->key[r] == h ? r : -1;
+}
+
+static PyObject *probe_slots(PyObject *self, PyObject *args) {
+    Py_buffer slots, keys;
+    PyObject *hashes, *seq = NULL, *homes = NULL, *found = NULL, *result = NULL;
+    unsigned long long mul;
+    int shift;
+    SlotTable t;
+    if (!PyArg_ParseTuple(args, "y*y*OKi", &slots, &keys, &hashes, &mul, &shift))
+        return NULL;
+    if (slot_table(&t, &slots, &keys, mul, shift) < 0)
         goto done;
-    const int32_t *slot = (const int32_t *)slots.buf;
-    const uint64_t *key = (const uint64_t *)keys.buf, *hash = (const uint64_t *)hashes.buf;
-    int32_t *out = (int32_t *)PyBytes_AS_STRING(result);
-    uint64_t mask = (uint64_t)size - 1;
-    for (; found < n; found++) {
-        uint64_t h = hash[found], s = (h * mul) >> shift, probes = 1;
-        int32_t r = slot[s];
-        while (r >= 0 && r < records && key[r] != h && probes++ < (uint64_t)size) {  /* a full table: a miss */
-            s = (s + 1) & mask;
-            r = slot[s];
+    seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    homes = PyList_New(n);
+    found = PyList_New(n);
+    if (homes == NULL || found == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h = PyLong_AsUnsignedLongLong(items[i]);
+        if (h == (uint64_t)-1 && PyErr_Occurred())
+            goto done;
+        uint64_t s = slot_probe(&t, h);
+        int32_t r = t.slot[s];
+        if (r >= 0 && (r >= t.records || t.key[r] != h)) {
+            PyErr_SetString(PyExc_ValueError, "a probe run ends at no free slot: the table is full or names records past its keys");
+            goto done;
         }
-        if (r < 0 || r >= records || key[r] != h)
-            break;
-        out[found] = r;
+        PyObject *home = PyLong_FromUnsignedLongLong((h * t.mul) >> t.shift), *at = PyLong_FromUnsignedLongLong(s);
+        if (home == NULL || at == NULL) {
+            Py_XDECREF(home);
+            Py_XDECREF(at);
+            goto done;
+        }
+        PyList_SET_ITEM(homes, i, home);
+        PyList_SET_ITEM(found, i, at);
     }
-    if (found < n)
-        _PyBytes_Resize(&result, found * 4);
+    result = PyTuple_Pack(2, homes, found);
 done:
+    Py_XDECREF(seq);
+    Py_XDECREF(homes);
+    Py_XDECREF(found);
     PyBuffer_Release(&slots);
     PyBuffer_Release(&keys);
+    return result;
+}
+
+static PyObject *find_prefix_runs(PyObject *self, PyObject *args) {
+    Py_buffer slots, keys, mixes, hashes;
+    unsigned long long mul;
+    int shift;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*Ki", &slots, &keys, &mixes, &hashes, &mul, &shift))
+        return NULL;
+    PyObject *runs = NULL, *result = NULL;
+    Py_ssize_t n = hashes.len / 8, found = 0;
+    SlotTable t;
+    if (slot_table(&t, &slots, &keys, mul, shift) < 0)
+        goto done;
+    if (mixes.len / 4 < t.records) {
+        PyErr_SetString(PyExc_ValueError, "mixes must hold a uint32 per key");
+        goto done;
+    }
+    const uint32_t *mix = (const uint32_t *)mixes.buf;
+    const uint64_t *hash = (const uint64_t *)hashes.buf;
+    runs = PyList_New(0);
+    if (runs == NULL)
+        goto done;
+    for (uint32_t last = 0; found < n; found++) {
+        int32_t r = slot_find(&t, hash[found]);
+        if (r < 0)
+            break;
+        if (found == 0 || mix[r] != last) {
+            PyObject *run = Py_BuildValue("(ni)", found, r);
+            if (run == NULL || PyList_Append(runs, run) < 0) {
+                Py_XDECREF(run);
+                goto done;
+            }
+            Py_DECREF(run);
+            last = mix[r];
+        }
+    }
+    result = Py_BuildValue("(nO)", found, runs);
+done:
+    Py_XDECREF(runs);
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&mixes);
     PyBuffer_Release(&hashes);
     return result;
+}
+
+static PyObject *tie_break(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tie_break takes a seed and a draw number");
+        return NULL;
+    }
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(args[0]), k = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromUnsignedLongLong(splitmix64(seed + (k + 1) * 0x9E3779B97F4A7C15ULL));
 }
 
 /* -- the built-in tokenizer's words ------------------------------------------------------ */
@@ -368,7 +498,9 @@ static PyTypeObject WordIdsType = {
 
 static PyMethodDef methods[] = {
     {"fingerprints", fingerprints, METH_VARARGS, "Every full block's prefix fingerprint (see the module's comment)."},
-    {"find_prefix", find_prefix, METH_VARARGS, "The records of the leading keys found in a slot table."},
+    {"tie_break", (PyCFunction)(void (*)(void))tie_break, METH_FASTCALL, "SplitMix64's k-th output for a seed."},
+    {"probe_slots", probe_slots, METH_VARARGS, "Each key's home slot and the slot its probe run stops at."},
+    {"find_prefix_runs", find_prefix_runs, METH_VARARGS, "How many leading keys a slot table holds, and where their records' mixes change."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,7 @@
 """kvflow/_native.c: the loops a request runs through before it is routed (see its comment).
 
-The buffers (``token_mix``, ``slots``, ``keys``, ``hashes``) are any C-contiguous object with
-the buffer protocol: bytes, ``array.array``, a numpy array."""
+The buffers (``token_mix``, ``slots``, ``keys``, ``mixes``, ``hashes``) are any C-contiguous
+object with the buffer protocol: bytes, ``array.array``, a numpy array."""
 
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -10,7 +10,10 @@ _T = TypeVar("_T")
 
 def fingerprints(tokens: Sequence[object], token_mix: object, k: int, parent: int, first_mix: int,
                  later_mix: int, /) -> bytes | None: ...
-def find_prefix(slots: object, keys: object, hashes: object, mul: int, shift: int, /) -> bytes: ...
+def tie_break(seed: int, k: int, /) -> int: ...
+def probe_slots(slots: object, keys: object, hashes: Sequence[int], mul: int, shift: int, /) -> tuple[list[int], list[int]]: ...
+def find_prefix_runs(slots: object, keys: object, mixes: object, hashes: object, mul: int,
+                     shift: int, /) -> tuple[int, list[tuple[int, int]]]: ...
 
 class WordIds:
     def __init__(self, max_words: int) -> None: ...

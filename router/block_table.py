@@ -3,8 +3,9 @@
 The prefix indexes keep one entry per (block, endpoint); as Python dicts of sets that cost
 about 350 bytes an entry, so a million blocks on many pods took most of a gigabyte. Here
 every field is a slot in an ``array.array`` of machine ints, read and written from Python by
-index (numpy rebuilds the slots and compacts logs; a walk over computed hashes looks them up
-in C, ``kvflow._native``, or all at once with numpy where that is not built):
+index (numpy rebuilds the slots and compacts logs; a store's keys and a walk over computed
+hashes are looked up in C, ``kvflow._native``, or all at once with numpy where that is not
+built):
 
 * **blocks**, one record per distinct block: ``key[r]`` its 64-bit key (the router's prefix
   fingerprint, ``router/fingerprint.py``),
@@ -71,6 +72,7 @@ _VECTOR_MIN = 64  # keys looked up with numpy from this many on
 _WINDOW = 8  # slots of each probe run read at once by ``find_many``
 _WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 _REDRAWS = 8  # multipliers a placement tries before it keeps the last
+_SHORT_RUN = 16  # probe runs shorter than this are never too long (``_Slots.probe_bound`` adds to it)
 
 
 def checked_hashes(hashes: Iterable[Any]) -> list[int]:
@@ -84,15 +86,19 @@ def checked_hashes(hashes: Iterable[Any]) -> list[int]:
     return out
 
 
-def _probes(index: _Slots, keys: list[int]) -> list[int]:
-    """A first slot to read for each key: its ``probe`` slot as the table is now, for many keys
-    at once with numpy; for a few, its home. Either is the key's slot, a free slot where it goes,
-    or a slot holding another key, past which the caller probes (a home taken, or a free slot
-    that a record stored meanwhile took)."""
+def _probes(index: _Slots, keys: list[int]) -> tuple[list[int], list[int]]:
+    """Each key's home slot, and a first slot to read for it: its ``probe`` slot as the table is
+    now, in C (``kvflow._native``) or for many keys with numpy; else its home. Either is the
+    key's slot, a free slot where it goes, or a slot holding another key, past which the caller
+    probes on (a home taken, or a free slot a record stored since took)."""
+    if native is not None:
+        return native.probe_slots(index.slots, index.keys, keys, index.mul, index.shift)
     if len(keys) >= _VECTOR_MIN:
-        return index.probe_many(np.array(keys, np.uint64)).tolist()  # type: ignore[no-any-return]
+        hashes = np.array(keys, np.uint64)
+        return index.homes(hashes).tolist(), index.probe_many(hashes).tolist()
     mul, shift, mask = index.mul, index.shift, index.mask
-    return [(h * mul >> shift) & mask for h in keys]  # ``_Slots.home``, inlined
+    homes = [(h * mul >> shift) & mask for h in keys]  # ``_Slots.home``, inlined
+    return homes, homes
 
 
 def _table_size(blocks: int, load: float = _MAX_LOAD) -> int:
@@ -154,7 +160,7 @@ class _Slots:
         load = self.count / len(self.slots)
         if self.count < 2 or load >= 1:
             return len(self.slots)
-        return 16 + int(2 * math.log(self.count) / (load - 1 - math.log(load)))
+        return _SHORT_RUN + int(2 * math.log(self.count) / (load - 1 - math.log(load)))
 
     def homes(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * np.uint64(self.mul)) >> np.uint64(self.shift)).astype(np.int64)  # numpy's product wraps
@@ -170,7 +176,7 @@ class _Slots:
     def probe(self, h: int) -> int:
         """The slot of ``h``'s probe run that holds the record with key ``h``, else the free slot
         the run ends at (where such a record goes). Every lookup one key at a time is this loop;
-        ``find_many`` is its numpy form and ``find_prefix`` its C one. Keys in the table are
+        ``find_many`` is its numpy form and ``prefix_runs`` its C one. Keys in the table are
         distinct, so the first record with key ``h`` is the only one."""
         slots, key, mask = self.slots, self.keys, self.mask
         s = (h * self.mul >> self.shift) & mask
@@ -183,6 +189,17 @@ class _Slots:
     def find(self, h: int) -> int:
         """The record whose key is ``h``, or -1."""
         return self.slots[self.probe(h)]
+
+    def find_all(self, keys: list[int]) -> list[int]:
+        """``find`` of each key, their probes all at once (``_probes``)."""
+        slots, key, probe = self.slots, self.keys, self.probe
+        found = []
+        for h, s in zip(keys, _probes(self, keys)[1]):
+            r = slots[s]
+            if r >= 0 and key[r] != h:  # another key there (a home, without C): the run goes on
+                r = slots[probe(h)]
+            found.append(r)
+        return found
 
     def delete(self, r: int) -> bool:
         """Take record ``r`` out, if it is in. Backward shift: the later records of its probe
@@ -232,15 +249,23 @@ class _Slots:
         records: np.ndarray = np.frombuffer(self.slots, np.int32)[self.probe_many(hashes)]
         return records
 
-    def find_prefix(self, hashes: np.ndarray) -> np.ndarray:
-        """The records of the leading ``hashes`` found, up to the first that is not: one probe
-        run after another in C (``kvflow._native``), else ``find_many`` cut at its first miss."""
+    def prefix_runs(self, hashes: np.ndarray, mixes: array[int]) -> tuple[int, list[tuple[int, int]]]:
+        """How many leading ``hashes`` have a record, and where along them the records' holder
+        ``mixes`` change: ``(i, record)`` for the first and for each whose mix differs from the one
+        before. One probe run after another in C (``kvflow._native``), else ``find_many`` cut at
+        its first miss."""
         if native is not None:
-            found = native.find_prefix(self.slots, self.keys, np.ascontiguousarray(hashes, np.uint64), self.mul, self.shift)
-            return np.frombuffer(found, np.int32)
+            return native.find_prefix_runs(self.slots, self.keys, mixes, np.ascontiguousarray(hashes, np.uint64),
+                                           self.mul, self.shift)
+        if not len(hashes) or self.find(int(hashes[0])) < 0:  # nobody holds the first block: no need to look further
+            return 0, []
         records = self.find_many(hashes)
         missing = np.flatnonzero(records < 0)
-        return records[: missing[0]] if missing.size else records
+        if missing.size:
+            records = records[: missing[0]]
+        found = np.frombuffer(mixes, np.uint32)[records]
+        starts = [0, *(np.flatnonzero(found[1:] != found[:-1]) + 1).tolist()]
+        return len(records), list(zip(starts, records[starts].tolist()))
 
     def longest_probe(self) -> int:
         slots = np.frombuffer(self.slots, np.int32)
@@ -380,16 +405,10 @@ class BlockTable:
 
     def _walk_array(self, keys: np.ndarray, matched: dict[int, int]) -> tuple[set[int], int]:
         """The walk over computed keys: (endpoints still matching, blocks walked)."""
-        if self._index.find(int(keys[0])) < 0:  # nobody holds the first block: no need to look further
-            return set(), 0
-        records = self._index.find_prefix(keys)
-        stop = len(records)
-        if not stop:
-            return set(), 0
-        mixes = np.frombuffer(self._mix, np.uint32)[records]
+        stop, runs = self._index.prefix_runs(keys, self._mix)
         alive: set[int] | None = None
-        for i in [0, *(np.flatnonzero(mixes[1:] != mixes[:-1]) + 1).tolist()]:
-            alive = self._narrow(alive, int(records[i]), i, matched)
+        for i, r in runs:
+            alive = self._narrow(alive, r, i, matched)
             if not alive:
                 return alive, i
         return alive or set(), stop
@@ -445,13 +464,12 @@ class BlockTable:
         if self._blocks + len(keys) > _MAX_LOAD * len(index.slots):
             index.resize(_table_size(self._blocks + len(keys)), self._live_records())
         # One loop, inlined but for the probes: a routed 8k-token prompt stores 512 blocks.
-        slots, key, mix, first, probe = index.slots, self._key, self._mix, self._first, index.probe
-        mul, shift, mask = index.mul, index.shift, index.mask
+        slots, key, mix, first, probe, mask = index.slots, self._key, self._mix, self._first, index.probe, index.mask
         owner, block, nxt, stamp = self._owner, self._block, self._next, self._stamp
         log, endpoint_key, refresh = self._logs[p], self._keys[p], self.refresh
         records: list[int] | None = [] if vhashes is not None else None
         added = far = 0
-        for h, s in zip(keys, _probes(index, keys)):
+        for h, home, s in zip(keys, *_probes(index, keys)):
             r = slots[s]
             if r >= 0 and key[r] != h:  # another block there: the run goes on
                 s = probe(h)
@@ -471,8 +489,8 @@ class BlockTable:
                 slots[s] = r
                 index.count += 1
                 self._blocks += 1
-                if (s - (h * mul >> shift)) & mask > far:  # its distance from home
-                    far = (s - (h * mul >> shift)) & mask
+                if (s - home) & mask > far:
+                    far = (s - home) & mask
                 if records is not None:
                     records.append(~r)  # new: its vLLM hash is not registered yet
             else:
@@ -502,7 +520,7 @@ class BlockTable:
             added += 1
         self._counts[p] += added
         self._total += added
-        if far >= index.probe_bound():
+        if far >= _SHORT_RUN and far >= index.probe_bound():  # (no logarithms for the usual short runs)
             index.redraw()
         if records is not None:
             self._register(records, vhashes)  # type: ignore[arg-type]
@@ -513,13 +531,18 @@ class BlockTable:
         """``endpoint`` no longer holds these blocks (those it did not hold are ignored)."""
         p = self._by_id.get(endpoint)
         if p is not None:
-            slots, probe = self._index.slots, self._index.probe
-            self._drop_records(p, [slots[probe(h)] for h in checked_hashes(keys)])
+            self._drop_records(p, self._index.find_all(checked_hashes(keys)))
 
     def remove_hashes(self, endpoint: EndpointId, hashes: Iterable[int]) -> list[int]:
         """``remove`` by vLLM's hashes: the keys of the blocks they name (translate only)."""
         # all named before any is dropped (a drop frees the name); no second lookup by key
-        records = [r for r in map(self._vrecord, checked_hashes(hashes)) if r >= 0]
+        hashes = checked_hashes(hashes)
+        records, alias = [], self._alias
+        for h, r in zip(hashes, self._vindex.find_all(hashes)):  # ``_vrecord`` of each
+            if r < 0:
+                r = alias.get(h, _NONE)
+            if r >= 0:
+                records.append(r)
         key = self._key
         found = [key[r] for r in records]
         p = self._by_id.get(endpoint)
@@ -568,9 +591,9 @@ class BlockTable:
         vindex, vkey, alias = self._vindex, self._vkey, self._alias
         if vindex.count + len(records) > _MAX_VLOAD * len(vindex.slots):
             vindex.resize(_table_size(vindex.count + len(records), _MAX_VLOAD), vindex.live())
-        vslots, probe, mul, shift, mask = vindex.slots, vindex.probe, vindex.mul, vindex.shift, vindex.mask
+        vslots, probe, mask = vindex.slots, vindex.probe, vindex.mask
         far = 0
-        for r, h, s in zip(records, hashes, _probes(vindex, hashes)):  # the hash's slot, or the free one to put it in
+        for r, h, home, s in zip(records, hashes, *_probes(vindex, hashes)):  # the hash's slot, or the free one to put it in
             new = r < 0
             if new:
                 r = ~r
@@ -591,9 +614,9 @@ class BlockTable:
             vkey[r] = h
             vslots[s] = r
             vindex.count += 1
-            if (s - (h * mul >> shift)) & mask > far:
-                far = (s - (h * mul >> shift)) & mask
-        if far >= vindex.probe_bound():
+            if (s - home) & mask > far:
+                far = (s - home) & mask
+        if far >= _SHORT_RUN and far >= vindex.probe_bound():
             vindex.redraw()
 
     def _delete_block(self, r: int) -> None:

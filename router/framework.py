@@ -17,7 +17,7 @@ by plugins that declare ``reads_prefixes`` (and by the P/D decider).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -29,6 +29,11 @@ from kvflow.router.fingerprint import PromptFingerprints
 from kvflow.router.load import CandidateLoads, LoadBoard, Loads
 from kvflow.router.model import EndpointView, SchedulingRequest, SchedulingResult
 from kvflow.endpoints import EndpointId
+
+try:
+    from kvflow import _native as native
+except ImportError:  # installed without a C compiler: Python computes the same draws
+    native = None  # type: ignore[assignment]
 
 
 @dataclass(slots=True)
@@ -239,13 +244,18 @@ class Scores(Mapping[EndpointId, float]):
 _M64 = (1 << 64) - 1
 
 
-def tie_break(seed: int, k: int) -> int:
+def splitmix64_draw(seed: int, k: int) -> int:
     """The ``k``-th tie-break draw of a cycle seeded with ``seed``: 64 random bits (SplitMix64's
     ``k``-th output, Steele et al. 2014), computed directly rather than by advancing a generator."""
     z = (seed + (k + 1) * 0x9E3779B97F4A7C15) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
     return z ^ (z >> 31)
+
+
+tie_break: Callable[[int, int], int] = splitmix64_draw if native is None else native.tie_break
+"""``splitmix64_draw``, in C where ``kvflow._native`` is built (Python's big-int arithmetic makes
+a draw cost about what a small pool's scoring of one endpoint does)."""
 
 
 def _clamp(s: float) -> float:

@@ -21,6 +21,7 @@ counting without touching the row's next owner.
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +88,10 @@ FIELDS: dict[str, int] = {name: i for i, name in enumerate(Loads._fields)}
 WIDTH = len(FIELDS)
 _DEFAULTS: dict[str, float] = dict.fromkeys(FIELDS, 0.0) | {"default_rate": DEFAULT_PREFILL_RATE, "room": math.inf}
 _DEFAULT_ROW = array("d", _DEFAULTS.values())
+_ROW = struct.Struct(f"{WIDTH}d")
+"""A row as it lies in ``LoadBoard.values`` (native doubles): read in one C call, without the
+array a slice would copy it into first."""
+_ITEMSIZE = _DEFAULT_ROW.itemsize
 _BACKLOG, _BACKLOG_AT, _SENT_WORK, _DONE_WORK, _SENT_REQUESTS, _SECONDS_PER_TOKEN, _DEFAULT_RATE = (
     FIELDS[name] for name in ("backlog", "backlog_at", "sent_work", "done_work", "sent_requests",
                               "seconds_per_token", "default_rate"))
@@ -260,8 +265,7 @@ class LoadCounter:
 
     def numbers(self) -> Loads[float]:
         """The pod's numbers as of now (a copy)."""
-        base = self.base
-        return Loads._make(self.board.values[base: base + WIDTH])
+        return Loads._make(_ROW.unpack_from(self.board.values, self.base * _ITEMSIZE))
 
     def __repr__(self) -> str:
         return f"LoadCounter({', '.join(f'{k}={v!r}' for k, v in self.numbers()._asdict().items())})"

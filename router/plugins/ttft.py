@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
+from operator import add
 from dataclasses import dataclass
 from typing import Generic
 
@@ -103,7 +104,15 @@ class _Ops(Generic[N]):
     minimum: Callable[[N, N | float], N]
 
 
-_ONE_POD: _Ops[float] = _Ops(max, min)
+def _larger(a: float, b: float) -> float:
+    return b if b > a else a  # ``max(a, b)``, without the builtin's handling of any iterable
+
+
+def _smaller(a: float, b: float) -> float:
+    return b if b < a else a  # ``min(a, b)``
+
+
+_ONE_POD: _Ops[float] = _Ops(_larger, _smaller)
 _EVERY_POD: _Ops[np.ndarray] = _Ops(np.maximum, np.minimum)
 
 
@@ -139,9 +148,9 @@ class TtftScorer:
         bs = cycle.block_size
         cached = [matches.get(ep.id, 0) * bs for ep in endpoints]  # prompt tokens each pod holds on its GPU
         reloaded = [offloaded.get(ep.id, 0) * bs for ep in endpoints]  # and on its CPU tier, right after
-        best_cached: float = max(map(sum, zip(cached, reloaded)), default=0)
+        best_cached: float = max(map(add, cached, reloaded), default=0)
         mean_work = 0.0
-        if any(c.foreign_waiting > 0 for c in loads):
+        if any([c.foreign_waiting > 0 for c in loads]):
             mean_work = self._mean_work(sum(c.sent_work for c in loads), sum(c.sent_requests for c in loads), cycle)
         terms = self._terms(cycle, loads[0].default_rate if loads else 0.0, spt, best_cached, mean_work)
         return [self._estimate(_ONE_POD, c, n, r, *terms) for c, n, r in zip(loads, cached, reloaded)]

@@ -150,12 +150,12 @@ def test_max_score_picker_ranks_as_the_plain_sort_would() -> None:
     from kvflow.router.plugins import PluginContext, build
     from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex
 
-    views = [EndpointView(Endpoint(f"10.0.{i // 250}.{i % 250}", 8000)) for i in range(70)]
+    views = [EndpointView(Endpoint(f"10.0.{i // 250}.{i % 250}", 8000)) for i in range(300)]
     gen = random.Random(5)
     request = SchedulingRequest("r", "m", [])
     for trial in range(400):
         k = gen.choice([1, 2, 3, 5])
-        n = gen.randrange(1, 70)
+        n = gen.randrange(1, 70) if trial % 4 else gen.randrange(240, 300)  # small pools, and large ones
         levels = [gen.random() * 3 for _ in range(gen.randrange(1, 5))]
         scores = [gen.choice(levels) + gen.choice([0.0, 0.0, 1e-12, -1e-12, 4e-10, 6e-10, 1e-7]) for _ in range(n)]
         scored = [(views[i], s) for i, s in enumerate(scores)]

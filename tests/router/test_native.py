@@ -84,38 +84,99 @@ def test_fingerprints_refuses_a_mix_that_is_not_whole_uint64s() -> None:
         native.fingerprints(7, b"\x01" * 8, 3, 1, 0, 0)
 
 
-def lookups(table: BlockTable, asked: list[int]) -> tuple[list[int], list[int]]:
-    """(native ``find_prefix``, numpy ``find_many`` cut at its first miss) for ``asked``."""
-    index, keys = table._index, np.array(asked, np.uint64)
-    raw = native.find_prefix(index.slots, index.keys, keys, index.mul, index.shift)
-    found = index.find_many(keys).tolist()
-    return np.frombuffer(raw, np.int32).tolist(), found[: found.index(-1)] if -1 in found else found
+def reference_runs(table: BlockTable, asked: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """One key at a time (``_Slots.find``): the leading keys found, and (i, record) where the
+    records' holder mix changes."""
+    records: list[int] = []
+    for h in asked:
+        if (r := table._index.find(h)) < 0:
+            break
+        records.append(r)
+    mix = table._mix
+    return len(records), [(i, r) for i, r in enumerate(records) if i == 0 or mix[r] != mix[records[i - 1]]]
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_find_prefix_equals_numpys_lookup_up_to_the_first_miss(seed: int) -> None:
+def test_find_prefix_runs_equals_the_lookup_one_key_at_a_time(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In C and in numpy (the fallback), up to the first miss, with the places the holders change."""
     rng = random.Random(seed)
     table = BlockTable(refresh=False)
+    pods = [block_table.EndpointId(f"10.0.0.{i}:8000") for i in range(3)]
     held = [rng.getrandbits(64) for _ in range(3000)] + [i << 40 for i in range(300)] + [0, (1 << 64) - 1]
-    table.add(block_table.EndpointId("10.0.0.1:8000"), held)  # long probe runs too (keys equal in low bits)
-    table.remove(block_table.EndpointId("10.0.0.1:8000"), held[::7])  # backward shifts moved records up
+    table.add(pods[0], held)  # long probe runs too (keys equal in low bits)
+    table.add(pods[1], held[:1000] + held[2000:2500])
+    table.add(pods[2], held[500:1500])
+    table.remove(pods[0], held[::7])  # backward shifts moved records up
     kept = [h for i, h in enumerate(held) if i % 7]
-    for asked in (kept, kept[:100] + [held[0]] + kept[100:200], [held[7]] + kept, [], kept[-1:]):
-        native_records, numpy_records = lookups(table, asked)
-        assert native_records == numpy_records
-    assert len(lookups(table, kept)[0]) == len(kept)
+    for asked in (kept, kept[:100] + [held[0]] + kept[100:200], [held[7]] + kept, [], kept[-1:], held[1:800]):
+        keys = np.array(asked, np.uint64)
+        want = reference_runs(table, asked)
+        index = table._index
+        assert native.find_prefix_runs(index.slots, index.keys, table._mix, keys, index.mul, index.shift) == want
+        with monkeypatch.context() as numpy_only:
+            numpy_only.setattr(block_table, "native", None)
+            assert index.prefix_runs(keys, table._mix) == want
+    assert table._index.prefix_runs(np.array(kept, np.uint64), table._mix)[0] == len(kept)
+    assert len(reference_runs(table, held[1:800])[1]) > 3  # the holders do change along it
 
 
-def test_find_prefix_refuses_a_table_that_is_not_one_and_never_reads_past_the_keys() -> None:
-    keys = array("Q", [5, 6])
+@pytest.mark.parametrize("seed", range(3))
+def test_probe_slots_equals_the_probe_one_key_at_a_time(seed: int) -> None:
+    """The slot holding each key's record, or the free slot where it goes, and the key's home."""
+    rng = random.Random(seed)
+    table = BlockTable(refresh=False)
+    held = [rng.getrandbits(64) for _ in range(2000)] + [i << 40 for i in range(300)] + [0, (1 << 64) - 1]
+    table.add(block_table.EndpointId("10.0.0.1:8000"), held)
+    table.remove(block_table.EndpointId("10.0.0.1:8000"), held[::5])
+    asked = held[:500] + [rng.getrandbits(64) for _ in range(500)] + [i << 40 for i in range(300, 400)] + held[:3]
+    index = table._index
+    homes, slots = native.probe_slots(index.slots, index.keys, asked, index.mul, index.shift)
+    assert slots == [index.probe(h) for h in asked]
+    assert homes == [index.home(h) for h in asked]
+    assert native.probe_slots(index.slots, index.keys, [], index.mul, index.shift) == ([], [])
+
+
+def test_probe_slots_refuses_what_is_not_a_key_or_a_table_with_room() -> None:
+    keys, slots = array("Q", [5, 6]), array("i", [-1] * 1024)
+    index = _Slots(keys, 1024)
+    with pytest.raises(OverflowError):
+        native.probe_slots(slots, keys, [1 << 64], index.mul, index.shift)
+    with pytest.raises(TypeError):
+        native.probe_slots(slots, keys, [5.0], index.mul, index.shift)
+    with pytest.raises(ValueError, match="power of two"):
+        native.probe_slots(array("i", [-1] * 1000), keys, [5], 1, 54)
+    full = array("i", [1] * 1024)  # every slot taken, none by the key: no slot to put it in
+    with pytest.raises(ValueError, match="no free slot"):
+        native.probe_slots(full, keys, [5], index.mul, index.shift)
+
+
+def test_find_prefix_runs_refuses_a_table_that_is_not_one_and_never_reads_past_the_keys() -> None:
+    keys, mixes, asked = array("Q", [5, 6]), array("I", [0, 0]), np.array([5], np.uint64)
     slots = array("i", [-1] * 1024)
     with pytest.raises(ValueError, match="power of two"):
-        native.find_prefix(array("i", [-1] * 1000), keys, np.array([5], np.uint64), 1, 54)
+        native.find_prefix_runs(array("i", [-1] * 1000), keys, mixes, asked, 1, 54)
     with pytest.raises(ValueError, match="shift"):
-        native.find_prefix(slots, keys, np.array([5], np.uint64), 1, 53)
+        native.find_prefix_runs(slots, keys, mixes, asked, 1, 53)
+    with pytest.raises(ValueError, match="mixes"):
+        native.find_prefix_runs(slots, keys, array("I", [0]), asked, 1, 54)
     index = _Slots(keys, 1024)
     home = (5 * index.mul % (1 << 64)) >> index.shift
     index.slots[home] = 9  # a record the keys do not have: a miss, not a read past their end
-    assert native.find_prefix(index.slots, keys, np.array([5], np.uint64), index.mul, index.shift) == b""
+    assert native.find_prefix_runs(index.slots, keys, mixes, asked, index.mul, index.shift) == (0, [])
     full = array("i", [1] * 1024)  # every slot taken, none by the key: a miss, not an endless probe
-    assert native.find_prefix(full, keys, np.array([5], np.uint64), index.mul, index.shift) == b""
+    assert native.find_prefix_runs(full, keys, mixes, asked, index.mul, index.shift) == (0, [])
+
+
+def test_tie_break_is_the_python_draw() -> None:
+    """SplitMix64's k-th output, both arguments taken mod 2**64 as the Python form's masks take them."""
+    from kvflow.router.framework import splitmix64_draw
+
+    rng = random.Random(9)
+    for _ in range(2000):
+        seed = rng.choice([rng.getrandbits(32), rng.getrandbits(64), -rng.getrandbits(40), rng.getrandbits(80), 0])
+        k = rng.choice([0, 1, rng.randrange(10_000), (1 << 64) - 1])
+        assert native.tie_break(seed, k) == splitmix64_draw(seed, k)
+    with pytest.raises(TypeError):
+        native.tie_break(1.5, 2)
+    with pytest.raises(TypeError):
+        native.tie_break(1)
