@@ -3,21 +3,21 @@
 The gateway's own families are ``kvflow.exposition``'s, the fast path the simulator uses: an
 observation is a ``bisect`` or an addition on a child looked up once per model (no per-sample
 lock or label resolution on the hot path), and a render formats only numbers, from prefixes
-written when each series was created. The pool routers' families (``kvflow.router``'s, on
-prometheus_client, which the standalone router serves too) join the same registry as one
-collector (``join``), merged family by family; the registry renders that part with
-``generate_latest``. The registry is a prometheus_client collector as a whole, and
+written when each series was created. The pool routers' families (``kvflow.router``'s, the same
+kind, which the standalone router serves too) join the same registry (``join``), merged family
+by family. The registry is a prometheus_client collector as a whole, and
 ``tests/gateway/test_metrics.py`` checks that ``generate_latest`` renders it byte for byte as the
 fast path does. One ``GatewayMetrics`` per gateway (tests run several in one process).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.registry import Collector
 
-from kvflow.exposition import Counter, Gauge, GaugeChild, Histogram, HistogramChild, Registry
+from kvflow.exposition import Counter, Family, Gauge, GaugeChild, Histogram, HistogramChild, Registry, render_joined
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -83,7 +83,7 @@ class GatewayMetrics:
     def count(counter: Counter, *labels: str) -> None:
         counter.labels(*labels).inc()
 
-    def join(self, router: Collector) -> None:
+    def join(self, router: Registry) -> None:
         """Render a pool router's families with the gateway's (``PoolRouter.metrics.registry``)."""
         self._routers.registries.append(router)
 
@@ -96,11 +96,23 @@ class GatewayMetrics:
 
 
 class RouterFamilies:
-    """The pool routers' registries as one collector: families of the same name (one per pool's
-    router) are joined, since the exposition format allows each family once."""
+    """The pool routers' registries as one: families of the same name (one per pool's router)
+    are joined, since the exposition format allows each family once."""
 
     def __init__(self) -> None:
-        self.registries: list[Collector] = []
+        self.registries: list[Registry] = []
+
+    def render(self) -> str:
+        by_name: dict[str, list[Family[Any]]] = {}
+        for registry in self.registries:
+            for family in registry.families:
+                if not isinstance(family, Family):
+                    raise TypeError(f"a router registry holds only families, not {family!r}")
+                by_name.setdefault(family.name, []).append(family)
+        out: list[str] = []
+        for families in by_name.values():
+            render_joined(families, out)
+        return "".join(out)
 
     def collect(self) -> list[Metric]:
         families: dict[str, Metric] = {}

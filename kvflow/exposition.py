@@ -28,7 +28,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, PlatformCollector, generate_latest
 from prometheus_client.metrics_core import (
@@ -215,12 +215,7 @@ class Family(Generic[C]):
         raise NotImplementedError
 
     def render(self, out: list[str]) -> None:
-        out.append(self._head)
-        children = self.children.values()
-        out.extend(child.render() for child in children)
-        if self.has_created and children:
-            out.append(self._created_head)
-            out.extend(child.created_line for child in children)
+        render_joined([self], out)
 
     def collect(self) -> Metric:
         raise NotImplementedError
@@ -302,6 +297,18 @@ class Summary(Family[SummaryChild]):
 
 
 AnyFamily = Family[CounterChild] | Family[GaugeChild] | Family[HistogramChild] | Family[SummaryChild]
+
+
+def render_joined(families: Sequence[Family[Any]], out: list[str]) -> None:
+    """Families of one name and kind rendered as one (the exposition format allows a name once):
+    the first one's head, then every family's series. A gateway joins its pools' routers so."""
+    first = families[0]
+    out.append(first._head)
+    children = [child for family in families for child in family.children.values()]
+    out.extend(child.render() for child in children)
+    if first.has_created and children:
+        out.append(first._created_head)
+        out.extend(child.created_line for child in children)
 
 
 class Renderable(Protocol):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvflow import openai_api
 from kvflow.errors import AuthenticationError, KvflowError
@@ -164,7 +164,7 @@ def metrics_app(router: Router, reader_token: str | None = None) -> web.Applicat
     async def metrics(_: web.Request) -> web.Response:
         router.refresh_gauges()
         return web.Response(
-            body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=router.metrics.registry.render().encode(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def decisions(request: web.Request) -> web.Response:

@@ -1,7 +1,10 @@
 """The router's Prometheus metrics and the decision log behind the debug endpoint.
 
-Each Router owns a registry (tests and benchmarks run many routers in one process); the CLI
-serves it on ``--metrics-port`` with ``/metrics`` and ``/debug/decisions?n=N``.
+Each Router owns a registry (tests and benchmarks run many routers in one process) of
+``kvflow.exposition`` families, the gateway's and the simulator's fast path: an increment on the
+request path is an addition on a child looked up once, and a render formats only numbers. The
+CLI serves it on ``--metrics-port`` with ``/metrics`` and ``/debug/decisions?n=N``; the gateway
+renders its pools' routers on its own ``/metrics`` (``gateway/metrics.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from kvflow.exposition import Counter, CounterChild, Gauge, Histogram, HistogramChild, Registry
 
 from kvflow.router.fingerprint import PromptFingerprints
 from kvflow.router.model import SchedulingRequest
@@ -21,9 +24,8 @@ _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1
 
 
 class RouterMetrics:
-    def __init__(self, pool: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+    def __init__(self, pool: str) -> None:
+        self.registry = r = Registry()
         self.pool = pool
         self.decisions = Counter(
             "kvflow_router_decisions",
@@ -81,16 +83,18 @@ class RouterMetrics:
         self.index_blocks = Gauge(
             "kvflow_router_prefix_index_blocks", "Distinct blocks in a prefix index", ["pool", "index"], registry=r
         )
-        self._prompt = 0
-        self._cached = 0
         self._last: Decision | None = None
         # Labelled children, looked up once: ``labels()`` costs more than the increment.
         self._prompt_child = self.prompt_tokens.labels(pool)
         self._cached_child = self.cached_tokens.labels(pool)
-        self._ratio_child = self.hit_ratio.labels(pool)
+        self.hit_ratio.labels(pool).set_function(self._hit_ratio)
         self.evictions_predicted_child = self.evictions_predicted.labels(pool)
-        self._decision_children: dict[tuple[str, str], Any] = {}
-        self._latency_children: dict[str, Any] = {}
+        self._decision_children: dict[tuple[str, str], CounterChild] = {}
+        self._latency_children: dict[str, HistogramChild] = {}
+
+    def _hit_ratio(self) -> float:
+        prompt = self._prompt_child.value
+        return self._cached_child.value / prompt if prompt else 0.0
 
     def _count(self, profile: str, result: str, seconds: float) -> None:
         child = self._decision_children.get((profile, result))
@@ -106,12 +110,8 @@ class RouterMetrics:
         res = decision.result
         self._count(res.profile, "disaggregated" if res.prefill is not None else "aggregated", seconds)
         self._prompt_child.inc(prompt_tokens)
-        self._prompt += prompt_tokens
         if res.cached_tokens:
             self._cached_child.inc(res.cached_tokens)
-            self._cached += res.cached_tokens
-        if self._prompt:
-            self._ratio_child.set(self._cached / self._prompt)
         # Per-endpoint gauges are set when /metrics is read: hundreds of label lookups per
         # decision would cost more than the decision itself.
         self._last = decision

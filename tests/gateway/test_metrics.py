@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvflow.endpoints import Endpoint
 from kvflow.gateway.config import GatewayConfig
@@ -17,13 +17,17 @@ def test_router_registries_merge_family_by_family() -> None:
     gateway = GatewayMetrics()
     gateway.count(gateway.requests, "m", "200")
     for pool, n in (("a", 1), ("b", 3)):
-        registry = CollectorRegistry()
-        Counter("kvflow_router_decisions", "Decisions", ["pool"], registry=registry).labels(pool).inc(n)
-        gateway.join(registry)
-    lines = gateway.render().decode().splitlines()
+        router = RouterMetrics(pool)
+        router.decisions.labels(pool, "default", "aggregated").inc(n)
+        gateway.join(router.registry)
+    fast = gateway.render()
+    reference = CollectorRegistry(auto_describe=False)
+    reference.register(gateway.registry)
+    assert fast == generate_latest(reference)
+    lines = fast.decode().splitlines()
     assert lines.count("# TYPE kvflow_router_decisions_total counter") == 1
-    assert 'kvflow_router_decisions_total{pool="a"} 1.0' in lines
-    assert 'kvflow_router_decisions_total{pool="b"} 3.0' in lines
+    assert 'kvflow_router_decisions_total{pool="a",profile="default",result="aggregated"} 1.0' in lines
+    assert 'kvflow_router_decisions_total{pool="b",profile="default",result="aggregated"} 3.0' in lines
     assert 'kvflow_gateway_requests_total{model="m",status="200"} 1.0' in lines
 
 
