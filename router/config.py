@@ -108,6 +108,36 @@ class KvEventsSpec(_Strict):
     """Data-parallel ranks per pod: vLLM publishes each rank's events on ``port + rank``."""
 
 
+class PeersSpec(_Strict):
+    """Router replicas of one pool telling each other what they routed (``router/peers.py``)."""
+
+    port: int = Field(default=0, ge=0, le=65535)
+    """Where this replica publishes what it routes (0: it has no peers)."""
+    addresses: tuple[str, ...] = ()
+    """The other replicas' ``HOST:PORT`` (its own address may be among them: it is skipped)."""
+    service: str | None = None
+    """A DNS name that resolves to every replica (a headless Service), re-read every
+    ``resolveSeconds``; each address it names is a peer at ``port``."""
+    resolve_seconds: float = Field(default=5.0, alias="resolveSeconds", gt=0)
+    key_file: str | None = Field(default=None, alias="keyFile")
+    """The key the replicas share: it signs their messages and keys their block fingerprints
+    alike, so that each one's fingerprints name the same blocks."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.port > 0
+
+    @model_validator(mode="after")
+    def _complete(self) -> PeersSpec:
+        if self.enabled and not self.key_file:
+            raise ValueError("peers.port is set but peers.keyFile is not: replicas must share a key")
+        if not self.enabled and (self.addresses or self.service):
+            raise ValueError("peers.addresses or peers.service is set but peers.port is not")
+        for address in self.addresses:
+            parse_host_port(address)
+        return self
+
+
 class PdSpec(_Strict):
     enabled: bool = True
     threshold: int = Field(default=256, ge=0)
@@ -204,6 +234,7 @@ class RouterConfig(_Strict):
     default_profile: str = Field(default="default", alias="defaultProfile")
     kv_events: KvEventsSpec = Field(default_factory=KvEventsSpec, alias="kvEvents")
     pd: PdSpec = Field(default_factory=PdSpec)
+    peers: PeersSpec = Field(default_factory=PeersSpec)
     pool: PoolSpec = Field(default_factory=PoolSpec)
     user_plugins: tuple[PluginSpec, ...] = Field(default=(), alias="plugins")
     """The file's ``plugins``; ``plugins`` below adds the built-ins."""

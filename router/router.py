@@ -33,6 +33,7 @@ from kvflow.router.kv_events import KvEventSubscriber
 from kvflow.router.load import LoadCounter
 from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResult
 from kvflow.router.observability import DecisionLog, RouterMetrics
+from kvflow.router.peers import PeerLink, fingerprint_secret, read_key
 from kvflow.router.pd import Decision, PdPolicy, decide
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.request import Incoming, PoolNames, scheduling_request, tokens_off_loop
@@ -97,6 +98,9 @@ class Router:
         ejection: EjectionPolicy | None = None,
     ) -> None:
         self.config = config
+        self._peer_key = read_key(config.peers.key_file) if config.peers.enabled and config.peers.key_file else None
+        if self._peer_key is not None and secret is None:  # replicas key blocks alike (``router/peers.py``)
+            secret = fingerprint_secret(self._peer_key)
         self.tokenizer = tokenizer or load_tokenizer(None)
         self.approx = ApproxPrefixIndex(config.approx_capacity)
         self.fingerprinter = Fingerprinter(config.block_size, secret=secret)
@@ -128,6 +132,8 @@ class Router:
         """Longest prompt accepted (a 400 beyond): the config's, else the pods' context length once known."""
         self._scraper: Scraper | None = None
         self._kv: KvEventSubscriber | None = None
+        self.peers: PeerLink | None = None
+        """The other replicas of this pool's router, told what this one routes (``peers`` config)."""
         self._watcher: Any = None
         self._static = bool(endpoints or config.endpoints)
         """Endpoints given up front; otherwise a ``pool.kubernetes`` config is watched."""
@@ -157,6 +163,12 @@ class Router:
 
             self._watcher = PodWatcher(self.config.kubernetes, self.set_endpoints)
             await self._watcher.start()
+        if self._peer_key is not None:
+            spec = self.config.peers
+            self.peers = PeerLink(self._peer_key, spec.port, addresses=spec.addresses, service=spec.service,
+                                  resolve_seconds=spec.resolve_seconds, on_routed=self.heard_routed,
+                                  on_undone=self.heard_undone)
+            await self.peers.start()
         if self.config.kv_events_enabled:
             self._kv = KvEventSubscriber(
                 self.precise, self._on_kv_event, self.speculative, self.event_sources, self._on_kv_problem
@@ -174,6 +186,9 @@ class Router:
         if self._kv is not None:
             await self._kv.close()
             self._kv = None
+        if self.peers is not None:
+            await self.peers.close()
+            self.peers = None
         for task in list(self._removals):
             await task
 
@@ -316,6 +331,21 @@ class Router:
         m.index_blocks.labels(pool, "approx").set(len(self.approx))
         m.index_blocks.labels(pool, "precise").set(len(self.precise))
 
+    def heard_routed(self, endpoint: EndpointId, hashes: list[int], taught: bool) -> None:
+        """A peer replica sent a request with these blocks to ``endpoint``: believed as if this
+        one had (its approximate index where the peer's took them, the speculative guess)."""
+        if self.datastore.counter(endpoint) is None:
+            return  # a pod this replica does not route to (yet)
+        if taught:
+            self.approx.add(endpoint, hashes)
+        self.speculative.add(endpoint, hashes, self._clock())
+
+    def heard_undone(self, endpoint: EndpointId, hashes: list[int], taught: bool) -> None:
+        """A peer's attempt there failed before it computed anything."""
+        if taught:
+            self.approx.discard(endpoint, hashes)
+        self.speculative.discard(endpoint, hashes)
+
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.datastore.mark_failed(endpoint.id)
 
@@ -392,8 +422,11 @@ class _Lesson:
         if hashes is not None:
             if hashes.num_blocks:  # (a prompt shorter than a block teaches nothing)
                 learned = self._learned = self._learned if self._learned is not None else hashes.all()
-                if self._teach_all or endpoint.id not in router.event_sources:
+                taught = self._teach_all or endpoint.id not in router.event_sources
+                if taught:
                     router.approx.add(endpoint.id, learned)
+                if router.peers is not None:
+                    router.peers.routed(endpoint.id, learned, taught)
                 guess = router.speculative.add(endpoint.id, learned, router._clock())
                 if guess is not None:
                     self._guesses[endpoint.id, prefill] = guess
@@ -416,6 +449,8 @@ class _Lesson:
         if self._learned is not None:
             router.approx.discard(endpoint.id, self._learned)
             router.speculative.discard(endpoint.id, self._learned)
+            if router.peers is not None:
+                router.peers.undone(endpoint.id, self._learned, True)
 
     def answered(self, endpoint: Endpoint, prefill: bool) -> None:
         self._router.outliers.succeeded(endpoint.id)
