@@ -163,6 +163,7 @@ def rendered_router_config(path: Path) -> dict[str, object]:
         raise SystemExit(f"kvflow bench routing: --llmservice {path}: no LLMService with kvflow's router in it")
     config: dict[str, object] = yaml.safe_load(maps[0]["data"]["router.yaml"])
     config.pop("pool", None)
+    config.pop("peers", None)  # (each row's replicas are given their own peers: routers.peer_sections)
     return config
 
 

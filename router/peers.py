@@ -148,7 +148,12 @@ class PeerLink:
         pub = zmq.Socket(self._ctx, zmq.PUB)  # a plain socket: a PUB send never waits
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        pub.bind(f"tcp://{self._host}:{self._port}")
+        try:
+            pub.bind(f"tcp://{self._host}:{self._port}")
+        except zmq.ZMQError as exc:
+            pub.close(0)
+            raise OSError(f"peers.port {self._port}: {exc} (another replica on this host has it: give each "
+                          "its own port; gateway --workers > 1 cannot share one router config with peers)") from None
         self._pub = pub
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")

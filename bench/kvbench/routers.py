@@ -27,8 +27,10 @@ ext_proc streams over them), and ``no-events`` runs them in front of pods that p
 events, with the router told so (``kvEvents.enabled: false``, as ``kvflow operator render``
 writes it for an LLMService with ``routing.kvEvents: false``): each replica then knows only what
 it routed itself (the approximate index) and what the pods' counters say. The row is named for
-both (``kvflow default no-events x3``). Every replica's CPU counts in the row. The peers run
-one process each.
+both (``kvflow default no-events x3``). Replicas tell each other what they routed
+(``router/peers.py``), as the operator renders them for an LLMService with more than one gateway or
+picker replica; ``no-peers`` leaves that out (``kvflow default no-events no-peers x3``), to measure
+what it brings. Every replica's CPU counts in the row. The peers run one process each.
 
 Peers are optional: ``ensure`` installs the ``bench`` extra's requirement for a missing one, and
 says why a peer is skipped when it cannot (not installable, or a P/D protocol it lacks).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -72,6 +75,7 @@ class Skip(Exception):
 
 
 NO_EVENTS = "no-events"
+NO_PEERS = "no-peers"
 _REPLICAS = re.compile(r"x([1-9][0-9]*)")
 
 
@@ -83,6 +87,8 @@ class RouterSpec:
     """kvflow's rows: gateway processes, or pickers behind the one Envoy."""
     kv_events: bool = True
     """kvflow's rows: the pods publish KV events and the router subscribes (else neither)."""
+    peers: bool = True
+    """kvflow's rows of several replicas: they tell each other what they routed."""
 
     @classmethod
     def parse(cls, name: str) -> RouterSpec:
@@ -104,25 +110,27 @@ class RouterSpec:
     @classmethod
     def _parse_kvflow(cls, kind: str, parts: list[str]) -> RouterSpec:
         profiles = [p.name for p in BUILTIN_PROFILES]
-        policy, replicas, kv_events = None, 1, True
+        policy, replicas, kv_events, peers = None, 1, True, True
         for part in parts:
             count = _REPLICAS.fullmatch(part)
             if count:
                 replicas = int(count.group(1))
             elif part == NO_EVENTS:
                 kv_events = False
+            elif part == NO_PEERS:
+                peers = False
             elif part in profiles and policy is None:
                 policy = part
             else:
-                raise ValueError(f"kvflow profiles: {', '.join(profiles)}, then :no-events and :xN, in "
-                                 f"{kind}[:PROFILE][:no-events][:xN] (got {part!r})")
-        return cls(kind, policy, replicas, kv_events)
+                raise ValueError(f"kvflow profiles: {', '.join(profiles)}, then :no-events, :no-peers and :xN, in "
+                                 f"{kind}[:PROFILE][:no-events][:no-peers][:xN] (got {part!r})")
+        return cls(kind, policy, replicas, kv_events, peers)
 
     @property
     def name(self) -> str:
         if self.kind in ("kvflow", ENVOY):
             return (f"{self.kind} {self.policy or 'default'}" + ("" if self.kv_events else f" {NO_EVENTS}")
-                    + (f" x{self.replicas}" if self.replicas > 1 else ""))
+                    + ("" if self.peers else f" {NO_PEERS}") + (f" x{self.replicas}" if self.replicas > 1 else ""))
         if self.kind == ORACLE:
             return "oracle (live)"
         return f"{self.kind} {self.policy}"
@@ -132,7 +140,8 @@ class RouterSpec:
         """How ``--routers`` spells it (``parse`` gives it back)."""
         if self.kind not in ("kvflow", ENVOY):
             return self.kind + (f":{self.policy}" if self.policy else "")
-        parts = [self.kind, *([self.policy] if self.policy else []), *([] if self.kv_events else [NO_EVENTS])]
+        parts = [self.kind, *([self.policy] if self.policy else []), *([] if self.kv_events else [NO_EVENTS]),
+                 *([] if self.peers else [NO_PEERS])]
         return ":".join(parts + ([f"x{self.replicas}"] if self.replicas > 1 else []))
 
     @property
@@ -157,7 +166,7 @@ def with_replicas(names: Sequence[str], counts: Sequence[int]) -> list[str]:
         for n in counts:
             if n < 1:
                 raise ValueError(f"--replicas takes counts of at least 1, got {n}")
-            out.append(RouterSpec(spec.kind, spec.policy, n, spec.kv_events).spelling)
+            out.append(RouterSpec(spec.kind, spec.policy, n, spec.kv_events, spec.peers).spelling)
     return list(dict.fromkeys(out))
 
 
@@ -256,9 +265,23 @@ def stack(spec: RouterSpec, pods: Sequence[Pod], log_dir: Path, base: Mapping[st
     kvflow = spec.kind == "kvflow"
     name = spec.name.replace(" ", "-")
     names = [name] if len(ports) == 1 else [f"{name}-{i + 1}" for i in range(len(ports))]
-    return Stack([Process(n, argv(spec, pods, port, log_dir, base), f"{url}/health", url if kvflow else None,
-                          f"{url}/metrics" if kvflow else None)
-                  for n, port, url in zip(names, ports, urls, strict=True)], urls)
+    peers = peer_sections(spec, log_dir)
+    return Stack([Process(n, argv(spec, pods, port, log_dir, base, peers[i], i), f"{url}/health",
+                          url if kvflow else None, f"{url}/metrics" if kvflow else None)
+                  for i, (n, port, url) in enumerate(zip(names, ports, urls, strict=True))], urls)
+
+
+def peer_sections(spec: RouterSpec, log_dir: Path) -> list[dict[str, Any] | None]:
+    """Each replica's ``peers`` config, as the operator renders it for replicas > 1: its own
+    port, the others' addresses, the key they share (a file here, a Secret on a cluster)."""
+    if spec.kind not in ("kvflow", ENVOY) or spec.replicas == 1 or not spec.peers:
+        return [None] * spec.replicas
+    key = log_dir / "peers.key"
+    key.parent.mkdir(parents=True, exist_ok=True)
+    key.write_text(secrets.token_urlsafe(32))
+    ports = [free_port("127.0.0.1") for _ in range(spec.replicas)]
+    return [{"port": port, "keyFile": str(key), "addresses": [f"127.0.0.1:{p}" for p in ports if p != port]}
+            for port in ports]
 
 
 def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
@@ -275,9 +298,9 @@ def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
     round-robin)."""
     envoy = check(spec, sum(p.role == "prefill" for p in pods))
     assert envoy is not None
-    config = _config_file(pods, log_dir, base, kv_events=spec.kv_events)
     pickers, grpc_ports = [], []
-    for i in range(spec.replicas):
+    for i, peers in enumerate(peer_sections(spec, log_dir)):
+        config = _config_file(pods, log_dir, base, kv_events=spec.kv_events, peers=peers, replica=i)
         grpc, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
         router = kvflow_argv("router", "--config", str(config), "--port", str(grpc),
                              "--metrics-port", str(metrics), "--grpc-health-port", "0", "--no-secure-serving",
@@ -295,15 +318,17 @@ def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
 
 
 def _config_file(pods: Sequence[Pod], log_dir: Path, base: Mapping[str, Any] | None = None, *,
-                 kv_events: bool = True) -> Path:
+                 kv_events: bool = True, peers: Mapping[str, Any] | None = None, replica: int = 0) -> Path:
     """The router config of a kvflow row: ``base`` (an LLMService's, as the operator renders it)
     with its pool replaced by these pods, or the defaults; without KV events, the router told
     the pods publish none (``kvEvents.enabled: false``)."""
-    config = log_dir / "router-config.json"
+    config = log_dir / ("router-config.json" if peers is None else f"router-config-{replica + 1}.json")
     config.parent.mkdir(parents=True, exist_ok=True)
     data = {**(base or {}), **router_config(pods)}
     if not kv_events:
         data["kvEvents"] = {**dict((base or {}).get("kvEvents") or {}), "enabled": False}
+    if peers is not None:
+        data["peers"] = dict(peers)
     config.write_text(json.dumps(data))
     return config
 
@@ -315,7 +340,7 @@ def _profile(spec: RouterSpec, base: Mapping[str, Any] | None) -> list[str]:
 
 
 def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
-         base: Mapping[str, Any] | None = None) -> list[str]:
+         base: Mapping[str, Any] | None = None, peers: Mapping[str, Any] | None = None, replica: int = 0) -> list[str]:
     """The command line of a one-process router for these pods, listening on
     127.0.0.1:``port`` (the live oracle has none: no process stands between the client and
     the pods)."""
@@ -326,7 +351,7 @@ def argv(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
     decode = [p for p in pods if p.role != "prefill"]
     prefill = [p for p in pods if p.role == "prefill"]
     if spec.kind == "kvflow":
-        config = _config_file(pods, log_dir, base, kv_events=spec.kv_events)
+        config = _config_file(pods, log_dir, base, kv_events=spec.kv_events, peers=peers, replica=replica)
         out = kvflow_argv("gateway", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
                           "--router-config", str(config), "--log-level", "WARNING")
         out += [a for p in decode for a in ("--endpoint", p.address)]

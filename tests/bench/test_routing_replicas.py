@@ -19,6 +19,7 @@ from kvbench.workloads import SMOKE
 
 from bench_routing import parser, replica_lines, row_spelling
 from kvflow.endpoints import Endpoint
+from kvflow.router.config import load_config
 
 
 async def test_two_replicas_each_route_their_share_and_the_rows_say_so(tmp_path: Path) -> None:
@@ -81,6 +82,26 @@ def test_without_kv_events_the_router_is_told_the_pods_publish_none(tmp_path: Pa
     assert all("kvEvents" not in e for e in config["pool"]["endpoints"])
     with pytest.raises(ValueError, match="2 ports"):
         routers.stack(spec, pods, tmp_path, ports=[8123])
+
+
+def test_replicas_tell_each_other_what_they_routed_unless_the_row_says_no_peers(tmp_path: Path) -> None:
+    """As the operator renders replicas > 1: each with its own peers port, the others' addresses
+    and one shared key; ``no-peers`` and a single replica have no peers section."""
+    pods = [Pod(Endpoint(f"127.0.0.{i}", 9000), "both", "") for i in (2, 3)]
+
+    def peers(spelling: str) -> list[object]:
+        built = routers.stack(routers.RouterSpec.parse(spelling), pods, tmp_path / spelling)
+        configs = [json.loads(Path(p.argv[p.argv.index("--router-config") + 1]).read_text()) for p in built.processes]
+        return [load_config(c).peers if "peers" in c else None for c in configs]
+
+    three = peers("kvflow:no-events:x3")
+    assert all(p is not None for p in three)
+    own = [f"127.0.0.1:{p.port}" for p in three]  # type: ignore[union-attr]
+    assert [sorted(p.addresses) for p in three] == [sorted(set(own) - {a}) for a in own]  # type: ignore[union-attr]
+    assert len({p.key_file for p in three}) == 1  # type: ignore[union-attr]
+    assert peers("kvflow:no-events:no-peers:x3") == [None, None, None]
+    assert peers("kvflow") == [None]
+    assert routers.RouterSpec.parse("kvflow:no-events:no-peers:x3").name == "kvflow default no-events no-peers x3"
 
 
 def test_each_replicated_row_is_read_against_its_one_replica_row() -> None:

@@ -120,3 +120,16 @@ async def test_messages_not_signed_with_the_shared_key_are_dropped_and_counted()
         await link.close()
         pub.close(0)
         ctx.term()
+
+
+async def test_a_port_another_replica_holds_is_refused_in_one_line() -> None:
+    port = free_port("127.0.0.1")
+    first = PeerLink(KEY, port, on_routed=lambda e, h, t: None, on_undone=lambda e, h, t: None, host="127.0.0.1")
+    await first.start()
+    second = PeerLink(KEY, port, on_routed=lambda e, h, t: None, on_undone=lambda e, h, t: None, host="127.0.0.1")
+    try:
+        with pytest.raises(OSError, match=f"peers.port {port}: .*own port"):
+            await second.start()
+    finally:
+        await second.close()
+        await first.close()
