@@ -284,6 +284,19 @@ class BuiltinTokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return [self._pieces.get(t, "") for t in token_ids]
 
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[int]:
+        """The id of each piece (a special token's own id): the ids ``encode`` gives a text
+        whose pieces these are, and the inverse of ``convert_ids_to_tokens``."""
+        known, new = self._ids.get, self._piece_id
+        return [_SPECIAL.index(t) if t in _SPECIAL else known(t) or new(t) for t in tokens]
+
+    @property
+    def memo_sizes(self) -> dict[str, int]:
+        """How many piece ids, word ids (``" " + word``, by the word) and chunks' ids are
+        remembered now. Each memo is forgotten whole when full, so none passes its bound:
+        ``MAX_KNOWN`` pieces, ``MAX_KNOWN`` words, ``MAX_CHUNKS`` chunks."""
+        return {"pieces": len(self._ids), "words": len(self._spaced), "chunks": len(self._chunks)}
+
 
 class HFTokenizer:
     """A local Hugging Face tokenizer folder, loaded with the ``tokenizers`` library.
@@ -365,6 +378,12 @@ class HFTokenizer:
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tok.id_to_token(t) or "" for t in token_ids]
+
+    def remembered_chunks(self) -> list[str]:
+        """The texts of the chunks whose ids are remembered now, least recently used first (a
+        snapshot: at most ``MAX_CHUNKS`` of them)."""
+        with self._lock:
+            return list(self._chunks)
 
 
 def split_at_spaces(text: str, size: int) -> list[str]:

@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+import kvflow.tokenizer
 from kvflow.tokenizer import (
     BuiltinTokenizer, HFTokenizer, load_tokenizer, native, prompt_token_ids, split_at_spaces,
 )
@@ -31,6 +33,12 @@ def test_decode_round_trips_encoded_text():
     tok = BuiltinTokenizer()
     text = "Hello,  world!\nHow are you?"
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_pieces_convert_back_to_the_ids_they_came_from():
+    tok = BuiltinTokenizer()
+    ids = tok.encode("Hello,  world!\nHow are you?")
+    assert tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(ids)) == ids  # BOS included
 
 
 def test_bos_is_added_only_when_asked():
@@ -72,9 +80,10 @@ def word_tables() -> list[str]:
 
 
 def builtin(words: str, **attrs: int) -> BuiltinTokenizer:
-    tok = BuiltinTokenizer()
-    if words == "dict":
-        tok._spaced = {}
+    """A built-in tokenizer whose word memo is ``words``: "dict" is the one a process without
+    ``kvflow._native`` builds."""
+    with mock.patch.object(kvflow.tokenizer, "native", None if words == "dict" else native):
+        tok = BuiltinTokenizer()
     for name, value in attrs.items():
         setattr(tok, name, value)
     return tok
@@ -89,12 +98,12 @@ def test_builtin_fast_path_gives_the_same_pieces_as_the_regex(words: str, text: 
 
     fast, chunked, reference = builtin(words), builtin(words, CHUNK=4), BuiltinTokenizer()
     # CHUNK=4: plain text cut every few characters: every cut is exercised
-    expected = [reference._piece_id(p) for p in _PIECE.findall(text)]
+    expected = reference.convert_tokens_to_ids(_PIECE.findall(text))
     for tok in (fast, chunked):
         assert tok.encode(text, add_special_tokens=False) == expected  # every piece new
         assert tok.encode(text, add_special_tokens=False) == expected  # every piece (and chunk) remembered
         head = text[: len(text) // 2]  # a prefix of a text seen before reuses its chunks
-        assert tok.encode(head, add_special_tokens=False) == [reference._piece_id(p) for p in _PIECE.findall(head)]
+        assert tok.encode(head, add_special_tokens=False) == reference.convert_tokens_to_ids(_PIECE.findall(head))
 
 
 @pytest.mark.parametrize("words", word_tables())
@@ -109,9 +118,9 @@ def test_long_words_and_forgotten_words_get_the_regexs_ids(words: str) -> None:
     for _ in range(20):
         text = " ".join(rng.choice(vocab) for _ in range(rng.randrange(1, 400)))
         text = rng.choice(["", " "]) + text + rng.choice(["", " "])
-        expected = [reference._piece_id(p) for p in _PIECE.findall(text)]
+        expected = reference.convert_tokens_to_ids(_PIECE.findall(text))
         assert tok.encode(text, add_special_tokens=False) == expected
-        assert len(tok._spaced) <= 50
+        assert tok.memo_sizes["words"] <= 50 and tok.memo_sizes["pieces"] <= 50
 
 
 @pytest.mark.skipif(native is None, reason="kvflow._native is not built")
@@ -173,8 +182,8 @@ def test_a_long_text_tokenizes_in_remembered_chunks_to_the_whole_texts_ids() -> 
         for special in (False, True):
             assert tok.encode(text, add_special_tokens=special) == rust_ids(text, special)
         if turn == 0:
-            remembered = len(tok._chunks)
-    assert remembered >= 4 and len(tok._chunks) < 3 * remembered  # later turns added only their own chunks
+            remembered = len(tok.remembered_chunks())
+    assert remembered >= 4 and len(tok.remembered_chunks()) < 3 * remembered  # later turns added only their own chunks
 
 
 def test_chunks_are_not_used_where_an_added_token_takes_the_spaces_around_it(tmp_path: Path) -> None:
@@ -208,7 +217,7 @@ def test_the_least_recently_used_chunks_are_forgotten_first() -> None:
     tok.CHUNK, tok.MAX_CHUNKS = 8, len(chunks[old]) + len(chunks[new])
     for text in (old, dropped, old, new):  # ``old`` was used after ``dropped``
         assert tok.encode(text, add_special_tokens=False) == rust_ids(text, False)
-    assert set(tok._chunks) == chunks[old] | chunks[new]
+    assert set(tok.remembered_chunks()) == chunks[old] | chunks[new]
 
 
 def test_threads_tokenizing_at_once_get_the_whole_texts_ids() -> None:
