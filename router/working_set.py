@@ -76,6 +76,22 @@ class WorkingSet:
         """One block in ``2**sample_bits`` is sampled."""
         return self._bits
 
+    @property
+    def samples(self) -> int:
+        """Sampled blocks touched in the window, as of the last touch or ``expire`` (each stands
+        for ``2**sample_bits`` blocks: ``tokens`` is this many times their tokens)."""
+        return len(self._touched)
+
+    def last_touches(self) -> dict[int, float]:
+        """A snapshot of the sample: each sampled fingerprint -> when it was last touched, in
+        touch order (oldest first, the pod's LRU order)."""
+        return dict(self._touched)
+
+    def samples_by_time(self) -> dict[float, int]:
+        """A snapshot: each touch time in the window -> how many samples were last touched then,
+        oldest first (what places a block in the LRU order: the samples touched after it)."""
+        return dict(self._by_time)
+
     def fit(self, capacity: int) -> None:
         """The pod holds ``capacity`` tokens: sample finely enough to place a block in its LRU
         order (``SAMPLES_PER_CACHEFUL``). A new rate starts an empty sample."""

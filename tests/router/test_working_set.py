@@ -131,10 +131,12 @@ def test_the_count_by_touch_time_follows_every_touch_and_expiry() -> None:
         now += float(rng.exponential(0.05))
         prefix = prefixes[int(rng.integers(len(prefixes)))]
         ws.touch(np.concatenate([prefix[: int(rng.integers(1, 300))], blocks(20, seed=int(rng.integers(1 << 30)))]), now)
+        touches = list(ws.last_touches().values())
+        assert touches == sorted(touches)  # touch order is LRU order
         by_time: dict[float, int] = {}
-        for t in ws._touched.values():
+        for t in touches:
             by_time[t] = by_time.get(t, 0) + 1
-        assert ws._by_time == by_time and list(ws._by_time) == sorted(by_time)
+        assert ws.samples_by_time() == by_time and list(ws.samples_by_time()) == sorted(by_time)
         assert min(by_time) >= now - 5.0
 
 
@@ -145,13 +147,13 @@ def test_the_sample_is_as_fine_as_the_pods_capacity_calls_for() -> None:
     keys = blocks(8_000, seed=1)
     small.touch(keys, now=0.0)
     large.touch(keys, now=0.0)
-    assert len(small._touched) == pytest.approx(8_000 / 2, rel=0.05)
-    assert len(large._touched) == pytest.approx(8_000 / 16, rel=0.15)
+    assert small.samples == pytest.approx(8_000 / 2, rel=0.05)
+    assert large.samples == pytest.approx(8_000 / 16, rel=0.15)
     assert small.tokens == pytest.approx(large.tokens, rel=0.15)
     fixed = WorkingSet(block_size=16, sample_bits=3)
     fixed.fit(2_400 * 16)  # a rate given is kept
     fixed.touch(keys, now=0.0)
-    assert len(fixed._touched) == pytest.approx(8_000 / 8, rel=0.1)
+    assert fixed.samples == pytest.approx(8_000 / 8, rel=0.1)
 
 
 def test_nothing_is_evicted_while_fewer_tokens_than_the_cache_holds_were_touched() -> None:
