@@ -350,6 +350,16 @@ class BlockTable:
         whatever keys pods send)."""
         return max(self._index.longest_probe(), self._vindex.longest_probe())
 
+    def placement(self) -> tuple[list[int | None], list[tuple[int, int] | None]]:
+        """A snapshot of the slot tables, slot by slot: the key of the block each slot of the
+        key table names, and (vLLM's hash, the block's key) for each slot of the translation's
+        (None: a free slot). Where a block sits follows the tables' multipliers and the order
+        of stores and removals only, however a store probed (in C, with numpy, one at a time)."""
+        key, vkey = self._key, self._vkey
+        keys = [None if r < 0 else key[r] for r in self._index.slots]
+        hashes = [None if r < 0 else (vkey[r], key[r]) for r in self._vindex.slots]
+        return keys, hashes
+
     def capacity_of(self, endpoint: EndpointId) -> int | None:
         return self._capacity.get(endpoint, self.default_capacity)
 

@@ -126,6 +126,18 @@ class Fingerprinter:
         self._inverse_powers = np.ones(0, np.uint64)
         self._key_mixes: dict[bytes, int] = {}
 
+    @property
+    def multiplier(self) -> int:
+        """``K``, the odd multiplier each block's fingerprint chains on by:
+        ``fp_i = fp_{i-1} * K + m_i`` (mod 2**64)."""
+        return self._k
+
+    @property
+    def token_mix(self) -> bytes:
+        """``C``, one odd uint64 per position in a block, as native-order bytes (the form
+        ``kvflow._native.fingerprints`` reads): a block's ``m_i`` mixes ``sum_j tokens[j] * C[j]``."""
+        return self._token_mix_bytes
+
     # -- keys --------------------------------------------------------------------------------
 
     def key_mix(self, key: BlockKey) -> int:

@@ -1,4 +1,7 @@
-"""BlockTable keeps the prefix indexes' entries in flat arrays; it must behave exactly like dicts of sets."""
+"""BlockTable keeps the prefix indexes' entries in flat arrays; it must behave exactly like dicts of sets.
+
+A few cases read the private slot table (``_Slots``) itself: its numpy and one-at-a-time
+lookups, and a multiplier forced on it, have no public form to compare through."""
 
 from __future__ import annotations
 
@@ -58,16 +61,19 @@ class Model:
             mine.pop(0)
 
 
-def assert_slots_hold_exactly_the_live_blocks(table: BlockTable) -> None:
-    """Every block someone holds is found by its key (and a translated block by its vLLM hash),
-    and every slot in use names such a block: no deletion (a backward shift) broke a probe run."""
-    live = set(table._live_records().tolist())
-    assert len(live) == len(table) == table._index.count
-    assert all(table._index.find(table._key[r]) == r for r in live)
-    for index in (table._index, table._vindex) if table.translate else (table._index,):
-        named = [r for r in index.slots if r >= 0]
-        assert len(named) == index.count and set(named) <= live
-        assert all(index.find(index.keys[r]) == r for r in named)
+def assert_slots_hold_exactly_the_live_blocks(table: BlockTable, translation: dict[int, int] | None = None) -> None:
+    """Every block someone holds is found by its key (and a translated block by its vLLM hash:
+    ``translation``, hash -> key), and every slot in use names such a block, once: no deletion
+    (a backward shift) broke a probe run."""
+    live = set(table.holders)
+    assert len(live) == len(table)
+    assert all(table.holders_of(k) for k in live)
+    keys, hash_slots = table.placement()
+    named = [k for k in keys if k is not None]
+    assert len(named) == len(table) and set(named) == live
+    pairs = [pair for pair in hash_slots if pair is not None]
+    assert len({h for h, _ in pairs}) == len(pairs) and {k for _, k in pairs} <= live
+    assert dict(pairs) == (translation or {}) and all(table.translated(h) == k for h, k in pairs)
 
 
 def lazily(chain: list[int], asked: list[int]) -> Iterator[int]:
@@ -200,7 +206,7 @@ def test_a_multiplier_that_piles_keys_into_one_run_is_redrawn(translate: bool) -
     assert table.match([k << 20 for k in keys]) == {A: 300}
     if translate:
         assert [table.translated(k) for k in keys] == [k << 20 for k in keys]
-    assert_slots_hold_exactly_the_live_blocks(table)
+    assert_slots_hold_exactly_the_live_blocks(table, {k: k << 20 for k in keys} if translate else None)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -234,7 +240,7 @@ def test_vllm_hashes_translate_while_anyone_holds_the_block(seed: int, monkeypat
         if step % 50 == 0:
             held = model.holders()
             assert {k: table.translated(vllm[k]) for k in keys} == {k: k if k in held else None for k in keys}
-            assert_slots_hold_exactly_the_live_blocks(table)
+            assert_slots_hold_exactly_the_live_blocks(table, {vllm[k]: k for k in held})
     assert table.longest_probe() < 64
 
 
@@ -291,5 +297,5 @@ def test_a_store_probed_all_at_once_places_every_record_where_one_at_a_time_does
         for ep, keys in stores:
             table.add(ep, keys, [k ^ 0x5A5A for k in keys])
             table.remove(ep, keys[: len(keys) // 4])
-        placed.append((table._index.slots.tolist(), table._vindex.slots.tolist(), table._index.mul))
+        placed.append(table.placement())
     assert placed[0] == placed[1] == placed[2]

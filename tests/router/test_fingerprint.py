@@ -28,7 +28,7 @@ def stepwise(f: Fingerprinter, tokens: list[int], keys: list[object] | None = No
     mixes = f.block_mixes(np.array(tokens, np.int64), keys).tolist()  # type: ignore[arg-type]
     out, fp = [], f.root
     for m in mixes:
-        fp = (fp * f._k + m) & MASK
+        fp = (fp * f.multiplier + m) & MASK
         out.append(fp)
     return out
 

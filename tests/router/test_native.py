@@ -37,7 +37,7 @@ def numpy_fingerprints(f: Fingerprinter, tokens: list[int], first: object, later
 
 
 def native_fingerprints(f: Fingerprinter, tokens: object, first: object, later: object) -> list[int] | None:
-    raw = native.fingerprints(tokens, f._token_mix_bytes, f._k, f.root, f.key_mix(first), f.key_mix(later))  # type: ignore[arg-type]
+    raw = native.fingerprints(tokens, f.token_mix, f.multiplier, f.root, f.key_mix(first), f.key_mix(later))  # type: ignore[arg-type]
     return None if raw is None else np.frombuffer(raw, np.uint64).tolist()
 
 
