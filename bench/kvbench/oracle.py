@@ -313,7 +313,7 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             p, pod = prepared[what], fleet[picked]
             pod.routed += 1
             placed[what] = picked
-            req = _sim_request(p, now)
+            req = sim_request(p, now)
             pod.expected_uncached[req.request_id] = len(p.token_ids) - Clairvoyant.cached_tokens(p, pod)
             arrival[what] = now
             pod.scheduler.add(req)
@@ -488,7 +488,9 @@ def saturation_rate(make_trace: Callable[[float, float], Trace], duration: float
     return hi
 
 
-def _sim_request(p: Prepared, now: float) -> SimRequest:
+def sim_request(p: Prepared, now: float) -> SimRequest:
+    """The simulator's request for ``p`` arriving at a pod at ``now``: its prompt, its block
+    hashes (computed once, in ``prepare``) and its own sampling seed."""
     hasher = BlockHasher(HASH, None, None)
     hasher.hashes = list(p.hashes)
     return SimRequest(str(p.request.index), list(p.token_ids), p.request.max_tokens, hasher,

@@ -58,7 +58,8 @@ def _dump_every(seconds: float, role: str, state: dict[str, list[object]]) -> No
     threading.Thread(target=loop, daemon=True, name="path-probe").start()
 
 
-def _probe_gateway() -> None:
+def probe_gateway() -> None:
+    """Record a ``kvflow gateway`` process's requests, hop by hop."""
     import asyncio
     import contextvars
     import time
@@ -134,7 +135,8 @@ def _probe_gateway() -> None:
     router_request.prompt_token_ids, Router.decide = timed(tokenize, "tokenize"), timed(decide, "schedule")
 
 
-def _probe_sim() -> None:
+def probe_sim() -> None:
+    """Record a ``kvflow sim`` pod's requests: handler, engine arrival, first token written."""
     import re
     import time
 
@@ -175,7 +177,9 @@ def _probe_sim() -> None:
     server.completions, server._stream, choices.Generation.chunks = handler, streamed, first_out
 
 
-def _probe_client() -> None:
+def probe_client() -> None:
+    """Record each request the routing benchmark's load generator sends: its seed, when it was
+    sent and when its first token came (``kvbench.loadgen.run``, wrapped)."""
     import functools
     from pathlib import Path
 
@@ -199,8 +203,8 @@ def _probe_client() -> None:
 
 
 if _BENCH:
-    _probe_client()
+    probe_client()
 elif _ROLE == "gateway":
-    _probe_gateway()
+    probe_gateway()
 elif _ROLE == "sim":
-    _probe_sim()
+    probe_sim()

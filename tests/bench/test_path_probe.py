@@ -81,5 +81,5 @@ def _probe_this_process(monkeypatch) -> list[dict[str, float]]:  # type: ignore[
     kept: dict[str, list[dict[str, float]]] = {}
     monkeypatch.setattr(site, "_dump_every", lambda seconds, role, state: kept.update(state))
     monkeypatch.setattr(loadgen, "run", loadgen.run)  # put back after the test
-    site._probe_client()
+    site.probe_client()
     return kept["requests"]

@@ -249,7 +249,7 @@ def test_the_oracle_counts_the_chunk_a_running_step_computes_once() -> None:
     prepared = oracle.prepare(trace)
     first, new = prepared[0], next(p for p in prepared if p.hashes[0] != prepared[0].hashes[0])
     pod = oracle.new_pod(0, profile, num_blocks=300)
-    pod.scheduler.add(oracle._sim_request(first, 0.0))
+    pod.scheduler.add(oracle.sim_request(first, 0.0))
     pod.plan = plan = pod.scheduler.schedule(0.0)
     assert plan.prefill_tokens == len(first.token_ids)  # the whole prompt in this one step
     pod.step_end = profile.step_seconds(0, 0, plan.prefill_tokens)

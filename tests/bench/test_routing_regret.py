@@ -73,7 +73,7 @@ def test_work_ahead_is_the_running_steps_rest_and_what_is_left_after_it() -> Non
     profile = get_profile("h100-llama8b")
     prepared = oracle.prepare(SMOKE.trace(20.0, 1.0))
     pod = oracle.new_pod(0, profile, num_blocks=300)
-    pod.scheduler.add(oracle._sim_request(prepared[0], 0.0))
+    pod.scheduler.add(oracle.sim_request(prepared[0], 0.0))
     pod.plan = pod.scheduler.schedule(0.0)
     pod.step_end = profile.step_seconds(0, 0, len(prepared[0].token_ids))
     now = pod.step_end / 2
