@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Any
 
 from kvbench import oracle, traces
 from kvbench.replay_kvflow import KvflowReplay, secret
@@ -32,8 +33,10 @@ from kvflow.sim.profiles import get_profile
 DURATION = 20.0
 
 
-def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duration: float = DURATION) -> list[float]:
-    """kvflow's mean TTFT over the oracle's, per (seed, key)."""
+def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duration: float = DURATION,
+           **policy: Any) -> list[float]:
+    """kvflow's mean TTFT over the oracle's, per (seed, key); ``policy``: ``KvflowReplay``'s
+    ``replicas``, ``peers`` and ``events``."""
     profile = get_profile(SIM_PROFILE)
     out = []
     for seed in seeds:
@@ -43,8 +46,8 @@ def ratios(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duratio
         best, _ = oracle.oracle_replay(trace, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
                                        prepared=prepared, cpu_blocks=w.cpu_blocks)
         for i in range(secrets):
-            policy = KvflowReplay(w.decode_pods, w.num_blocks, secret=secret(i))
-            result = oracle.replay(trace, policy, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
+            replay = KvflowReplay(w.decode_pods, w.num_blocks, secret=secret(i), **policy)
+            result = oracle.replay(trace, replay, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
                                    prepared=prepared, lag=lag, cpu_blocks=w.cpu_blocks)
             out.append(oracle.mean_ttft(result.ttft) / oracle.mean_ttft(best.ttft))
     return out
@@ -67,17 +70,24 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--secrets", type=int, default=3, help="fingerprint keys per trace")
     p.add_argument("--lag", type=parse_lag, default=oracle.Lag(), help="TO,FROM in ms (default 0,0)")
+    p.add_argument("--replicas", type=int, default=1, help="routers, as gateway replicas (request i to router i mod N)")
+    p.add_argument("--no-peers", action="store_true", help="replicas do not tell each other what they routed")
+    p.add_argument("--no-events", action="store_true", help="the pods publish no KV events")
     traces.add_arguments(p)  # --trace FILE replaces --workloads
     args = p.parse_args()
     if args.secrets < 1:
         p.error("--secrets must be at least 1")
-    print(f"kvflow default (replay) over the oracle, {len(args.seeds)} traces x {args.secrets} keys, "
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    name = KvflowReplay(1, 1, replicas=args.replicas, peers=not args.no_peers, events=not args.no_events).name
+    print(f"{name} over the oracle, {len(args.seeds)} traces x {args.secrets} keys, "
           f"lag {args.lag.to_pod * 1e3:g} ms to the pods, {args.lag.from_pod * 1e3:g} ms back")
     print("| workload | mean | sd | min | max |\n|---|---:|---:|---:|---:|")
     cases = [traces.workload(args)[0]] if args.trace else [WORKLOADS[name] for name in args.workloads]
     for w in cases:
         name = w.name
-        r = ratios(w, args.seeds, args.secrets, args.lag)
+        r = ratios(w, args.seeds, args.secrets, args.lag, replicas=args.replicas, peers=not args.no_peers,
+                   events=not args.no_events)
         sd = statistics.stdev(r) if len(r) > 1 else 0.0
         print(f"| ({name}) | {statistics.fmean(r):.3f} | {sd:.3f} | {min(r):.3f} | {max(r):.3f} |", flush=True)
 

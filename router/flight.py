@@ -52,8 +52,8 @@ class Beliefs(Protocol):
     beliefs about where prompts are cached and which pods answer (``Router`` gives each flight
     its own). Each call names the pod and whether it is the prefill leg."""
 
-    def sent(self, endpoint: Endpoint, prefill: bool) -> None:
-        """The pod was sent the request."""
+    def sent(self, endpoint: Endpoint, prefill: bool, work: int, tokens: int) -> None:
+        """The pod was sent the request: ``work`` prompt tokens to compute, ``tokens`` of KV it adds."""
 
     def prefilled(self, endpoint: Endpoint, prefill: bool) -> None:
         """Its prefill there ended: first token, answer, failure or end (maybe more than once)."""
@@ -64,9 +64,13 @@ class Beliefs(Protocol):
     def answered(self, endpoint: Endpoint, prefill: bool) -> None:
         """The pod answered the attempt."""
 
+    def released(self, endpoint: Endpoint, prefill: bool, undone: bool) -> None:
+        """The pod no longer holds the leg (``undone``: it computed nothing of it)."""
 
-class _Leg:
-    """One pod's share of the request: its queue position, for as long as the pod holds it."""
+
+class Leg:
+    """One pod's share of a request: its queue position, for as long as the pod holds it (a
+    router's own request's, or a peer replica's, ``router/peers.py``)."""
 
     __slots__ = ("endpoint", "counter", "work", "tokens", "position", "ahead", "sent_at", "prefilling")
 
@@ -141,8 +145,8 @@ class Flight:
         self._block_size = block_size
         self._clock = clock
         self._step_tokens = step_tokens
-        self._leg: _Leg | None = None
-        self._prefill: _Leg | None = None
+        self._leg: Leg | None = None
+        self._prefill: Leg | None = None
         self._remote = False
         self.served: Endpoint | None = None
         """The pod that answered (set by ``first_token`` or ``finish``), or None."""
@@ -163,8 +167,8 @@ class Flight:
         if self._done or self._prefill is not None:
             return
         work = self.uncached(endpoint)
-        self._prefill = _Leg(endpoint, self._counter(endpoint.id), work, work, self._clock())
-        self.beliefs.sent(endpoint, True)
+        self._prefill = Leg(endpoint, self._counter(endpoint.id), work, work, self._clock())
+        self.beliefs.sent(endpoint, True, work, work)
 
     def prefill_done(self, *, ok: bool) -> None:
         """The prefill pod answered (its KV is ready to pull) or failed (decode computes the prompt)."""
@@ -176,6 +180,7 @@ class Flight:
             self._observe(leg)
             self.beliefs.answered(leg.endpoint, True)
         leg.release(self._clock(), undo=not ok)
+        self.beliefs.released(leg.endpoint, True, not ok)
         self._remote = ok
         self.beliefs.prefilled(leg.endpoint, True)
         if not ok:
@@ -200,8 +205,8 @@ class Flight:
         self._remote = self._remote or remote
         blocks = self.uncached(endpoint)  # pulled or computed, the pod holds them
         work = 0 if self._remote else blocks
-        self._leg = _Leg(endpoint, self._counter(endpoint.id), work, blocks, self._clock())
-        self.beliefs.sent(endpoint, False)
+        self._leg = Leg(endpoint, self._counter(endpoint.id), work, blocks, self._clock())
+        self.beliefs.sent(endpoint, False, work, blocks)
 
     def failed(self, endpoint: Endpoint) -> None:
         """The attempt on ``endpoint`` failed before it answered: nothing of it stays there."""
@@ -210,6 +215,7 @@ class Flight:
             return
         self._leg = None
         leg.release(self._clock(), undo=True)
+        self.beliefs.released(endpoint, False, True)
         self.beliefs.undone(endpoint, False)
 
     def first_token(self, *, observe: bool = True) -> None:
@@ -235,9 +241,10 @@ class Flight:
             if not leg.prefilling:  # it answered, and did not fail before the end (a stream may stall)
                 self.beliefs.answered(leg.endpoint, False)
             leg.release(self._clock(), undo=False)
+            self.beliefs.released(leg.endpoint, False, False)
             self.beliefs.prefilled(leg.endpoint, False)
 
-    def _observe(self, leg: _Leg) -> None:
+    def _observe(self, leg: Leg) -> None:
         """The pod's prefill speed: time to first token over the work that was ahead, its own, a step."""
         counter = leg.counter
         units = leg.ahead + leg.work + self._step_tokens

@@ -8,20 +8,24 @@ share of the pool's prefixes and gives a prefix a home of its own: N homes where
 peers' requests only once their prefills end, so a burst of one prefix is spread before any of
 them shows.
 
-So each replica publishes what it teaches its own indexes when it sends a request (``routed``:
-the pod, the prompt's block fingerprints) or when the attempt fails (``undone``), and applies
-what its peers publish the same way (``Router``'s ``heard_routed`` / ``heard_undone``). The
-messages are ZeroMQ PUB/SUB, one socket each way, fire-and-forget: a message lost under load
-costs affinity, never a request. Every replica fingerprints blocks with a secret derived from
-the key the replicas share (``peers.keyFile``), so their fingerprints name the same blocks; the
-same key signs each message (BLAKE2b, keyed), and a message that does not verify is dropped and
-counted, so nothing on the pod network that lacks the key can steer routing.
+So each replica publishes each leg of a request it sends as it sends it (``sent``: the pod, the
+prompt's block fingerprints, the prefill work and KV it adds there), its first token
+(``prefilled``) and its end (``released``, and whether it was undone: the attempt failed before
+it computed anything), and applies its peers' as its own (``Router.heard``): their blocks in its
+indexes, their legs in its pods' load (``LoadCounter``), queued, prefilling and released as its
+own legs are. A pod's scraped queue then counts only what no replica sent (``foreign_waiting``).
+The messages are ZeroMQ PUB/SUB, one socket each way, fire-and-forget: a message lost under
+load costs affinity, never a request, and a leg whose end was lost leaves after ``LEG_TTL``.
+Every replica fingerprints blocks with a secret derived from the key the replicas share
+(``peers.keyFile``), so their fingerprints name the same blocks; the same key signs each message
+(BLAKE2b, keyed), and a message that does not verify is dropped and counted, so nothing on the
+pod network that lacks the key can steer routing.
 
 Wire format, two frames: a 16-byte MAC, then the payload ``version (1) | sender (8) | kind (1) |
-taught (1) | id length (2, little endian) | endpoint id (UTF-8) | fingerprints (uint64, little
-endian)``; ``taught`` says whether the sender's approximate index took the blocks (it does for
-pods without KV events, and for all pods where the profile reads it), so the receiver does as
-the sender did.
+leg (8)``, then for ``SENT`` ``work (4) | tokens (4) | taught (1) | id length (2) | endpoint id
+(UTF-8) | fingerprints (8 each)`` and for ``RELEASED`` ``undone (1)``; little endian. ``taught``
+says whether the sender's approximate index took the blocks (it does for pods without KV events,
+and for all pods where the profile reads it), so the receiver does as the sender did.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -45,16 +50,42 @@ from kvflow.endpoints import EndpointId, parse_host_port
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
-ROUTED, UNDONE = 1, 2
-_HEAD = struct.Struct("<B8sBBH")
+VERSION = 2
+SENT, PREFILLED, RELEASED = 1, 2, 3
+_HEAD = struct.Struct("<B8sBQ")
+_SENT = struct.Struct("<IIBH")
 _MAC_BYTES = 16
 _MIN_KEY_BYTES = 16
 _SEND_HWM = 10_000
 """Messages queued per peer before the newest are dropped (a peer that stopped reading)."""
+LEG_TTL = 300.0
+"""Seconds a peer's leg counts on its pod when its end was never heard (a lost message, a
+replica gone): longer than any request that ends normally takes."""
 
-Heard = Callable[[EndpointId, list[int], bool], None]
-"""A peer's message applied: (pod, fingerprints, whether the sender's approximate index took them)."""
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    sender: bytes
+    kind: int
+    leg: int
+    """The sender's name for the leg (unique among its legs in flight)."""
+    endpoint: EndpointId = EndpointId("")
+    hashes: list[int] = field(default_factory=list)
+    taught: bool = False
+    work: int = 0
+    tokens: int = 0
+    undone: bool = False
+
+
+class Peers(Protocol):
+    """What a router tells its peers (``PeerLink`` over the network; a replay's in-process bus)."""
+
+    def sent(self, leg: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool, work: int,
+             tokens: int) -> None: ...
+
+    def prefilled(self, leg: int) -> None: ...
+
+    def released(self, leg: int, undone: bool) -> None: ...
 
 
 def read_key(path: str) -> bytes:
@@ -77,20 +108,16 @@ def _mac(key: bytes, payload: bytes) -> bytes:
     return hashlib.blake2b(payload, key=key[:64], digest_size=_MAC_BYTES, person=b"kvflow-peers").digest()
 
 
-def encode(key: bytes, sender: bytes, kind: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool) -> list[bytes]:
+def encode(key: bytes, message: Message) -> list[bytes]:
     """A message's two frames (see the module's comment)."""
-    eid = endpoint.encode()
-    payload = _HEAD.pack(VERSION, sender, kind, taught, len(eid)) + eid + array("Q", hashes).tobytes()
+    payload = _HEAD.pack(VERSION, message.sender, message.kind, message.leg)
+    if message.kind == SENT:
+        eid = message.endpoint.encode()
+        payload += (_SENT.pack(message.work, message.tokens, message.taught, len(eid)) + eid
+                    + array("Q", message.hashes).tobytes())
+    elif message.kind == RELEASED:
+        payload += bytes([message.undone])
     return [_mac(key, payload), payload]
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    sender: bytes
-    kind: int
-    endpoint: EndpointId
-    hashes: list[int]
-    taught: bool
 
 
 def decode(key: bytes, frames: Sequence[bytes]) -> Message | None:
@@ -100,17 +127,27 @@ def decode(key: bytes, frames: Sequence[bytes]) -> Message | None:
     payload = frames[1]
     if len(payload) < _HEAD.size:
         return None
-    version, sender, kind, taught, n = _HEAD.unpack_from(payload)
-    body = payload[_HEAD.size + n:]
-    if version != VERSION or kind not in (ROUTED, UNDONE) or len(body) % 8:
+    version, sender, kind, leg = _HEAD.unpack_from(payload)
+    if version != VERSION:
+        return None
+    rest = payload[_HEAD.size:]
+    if kind == PREFILLED and not rest:
+        return Message(sender, kind, leg)
+    if kind == RELEASED and len(rest) == 1:
+        return Message(sender, kind, leg, undone=bool(rest[0]))
+    if kind != SENT or len(rest) < _SENT.size:
+        return None
+    work, tokens, taught, n = _SENT.unpack_from(rest)
+    body = rest[_SENT.size + n:]
+    if len(body) % 8:
         return None
     hashes = array("Q")
     hashes.frombytes(body)
     try:
-        endpoint = EndpointId(payload[_HEAD.size: _HEAD.size + n].decode())
+        endpoint = EndpointId(rest[_SENT.size: _SENT.size + n].decode())
     except UnicodeDecodeError:
         return None
-    return Message(sender, kind, endpoint, hashes.tolist(), bool(taught))
+    return Message(sender, kind, leg, endpoint, hashes.tolist(), bool(taught), work, tokens)
 
 
 @dataclass
@@ -130,11 +167,11 @@ class PeerLink:
     whatever ``service`` resolves to, re-read every ``resolve_seconds``)."""
 
     def __init__(self, key: bytes, port: int, *, addresses: Sequence[str] = (), service: str | None = None,
-                 resolve_seconds: float = 5.0, on_routed: Heard, on_undone: Heard, host: str = "*") -> None:
+                 resolve_seconds: float = 5.0, on_message: Callable[[Message], None], host: str = "*") -> None:
         self._key, self._port, self._host = key, port, host
         self._addresses = [parse_host_port(a) for a in addresses]
         self._service, self._resolve_seconds = service, resolve_seconds
-        self._on = {ROUTED: on_routed, UNDONE: on_undone}
+        self._on_message = on_message
         self.sender = secrets.token_bytes(8)
         """This replica's name on the wire: its own messages, heard back through a service that
         lists it too, are skipped."""
@@ -179,19 +216,24 @@ class PeerLink:
         self._pub = self._sub = None
         self._ctx.term()
 
-    def routed(self, endpoint: EndpointId, hashes: Sequence[int], taught: bool) -> None:
-        """This replica sent a request with these blocks to ``endpoint``."""
-        self._send(ROUTED, endpoint, hashes, taught)
+    def sent(self, leg: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool, work: int,
+             tokens: int) -> None:
+        """This replica sent a leg of a request there: its blocks, its prefill work and KV."""
+        self._send(Message(self.sender, SENT, leg, endpoint, list(hashes), taught, work, tokens))
 
-    def undone(self, endpoint: EndpointId, hashes: Sequence[int], taught: bool) -> None:
-        """The attempt there failed before it computed anything."""
-        self._send(UNDONE, endpoint, hashes, taught)
+    def prefilled(self, leg: int) -> None:
+        """The leg's prefill ended (its first token)."""
+        self._send(Message(self.sender, PREFILLED, leg))
 
-    def _send(self, kind: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool) -> None:
+    def released(self, leg: int, undone: bool) -> None:
+        """The pod no longer holds the leg; ``undone``: it computed nothing of it."""
+        self._send(Message(self.sender, RELEASED, leg, undone=undone))
+
+    def _send(self, message: Message) -> None:
         if self._pub is None:
             return
         try:
-            self._pub.send_multipart(encode(self._key, self.sender, kind, endpoint, hashes, taught), zmq.NOBLOCK)
+            self._pub.send_multipart(encode(self._key, message), zmq.NOBLOCK)
             self.counts.sent += 1
         except zmq.Again:
             self.counts.dropped += 1
@@ -220,7 +262,7 @@ class PeerLink:
             if message.sender == self.sender:
                 continue
             self.counts.heard += 1
-            self._on[message.kind](message.endpoint, message.hashes, message.taught)
+            self._on_message(message)
 
     async def _resolve(self) -> None:
         assert self._service is not None

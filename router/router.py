@@ -13,9 +13,10 @@ KV-event subscribers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from time import monotonic, perf_counter
 from typing import Any
 from zlib import crc32
@@ -25,7 +26,7 @@ import numpy as np
 from kvflow.errors import InvalidRequestError, KvflowError, RateLimitError
 from kvflow.router.config import DEFAULT_MAX_PROMPT_TOKENS, RouterConfig
 from kvflow.router.datastore import Datastore
-from kvflow.router.flight import Flight
+from kvflow.router.flight import Flight, Leg
 from kvflow.router.outliers import EjectionPolicy, Outliers
 from kvflow.router.framework import Cycle, Profile, StartedHook
 from kvflow.router.fingerprint import Fingerprinter, PromptFingerprints, request_keys
@@ -33,7 +34,7 @@ from kvflow.router.kv_events import KvEventSubscriber
 from kvflow.router.load import LoadCounter
 from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResult
 from kvflow.router.observability import DecisionLog, RouterMetrics
-from kvflow.router.peers import PeerLink, fingerprint_secret, read_key
+from kvflow.router.peers import LEG_TTL, PREFILLED, SENT, Message, PeerLink, Peers, fingerprint_secret, read_key
 from kvflow.router.pd import Decision, PdPolicy, decide
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.request import Incoming, PoolNames, scheduling_request, tokens_off_loop
@@ -132,7 +133,11 @@ class Router:
         """Longest prompt accepted (a 400 beyond): the config's, else the pods' context length once known."""
         self._scraper: Scraper | None = None
         self._kv: KvEventSubscriber | None = None
-        self.peers: PeerLink | None = None
+        self._link: PeerLink | None = None
+        self._leg_names = itertools.count(1)
+        self._foreign: dict[tuple[bytes, int], _Foreign] = {}
+        """Peers' legs on this router's pods, by (peer, leg), oldest first."""
+        self.peers: Peers | None = None
         """The other replicas of this pool's router, told what this one routes (``peers`` config)."""
         self._watcher: Any = None
         self._static = bool(endpoints or config.endpoints)
@@ -165,10 +170,10 @@ class Router:
             await self._watcher.start()
         if self._peer_key is not None:
             spec = self.config.peers
-            self.peers = PeerLink(self._peer_key, spec.port, addresses=spec.addresses, service=spec.service,
-                                  resolve_seconds=spec.resolve_seconds, on_routed=self.heard_routed,
-                                  on_undone=self.heard_undone)
-            await self.peers.start()
+            self._link = PeerLink(self._peer_key, spec.port, addresses=spec.addresses, service=spec.service,
+                                  resolve_seconds=spec.resolve_seconds, on_message=self.heard)
+            await self._link.start()
+            self.peers = self._link
         if self.config.kv_events_enabled:
             self._kv = KvEventSubscriber(
                 self.precise, self._on_kv_event, self.speculative, self.event_sources, self._on_kv_problem
@@ -186,9 +191,9 @@ class Router:
         if self._kv is not None:
             await self._kv.close()
             self._kv = None
-        if self.peers is not None:
-            await self.peers.close()
-            self.peers = None
+        if self._link is not None:
+            await self._link.close()
+            self._link = self.peers = None
         for task in list(self._removals):
             await task
 
@@ -331,20 +336,45 @@ class Router:
         m.index_blocks.labels(pool, "approx").set(len(self.approx))
         m.index_blocks.labels(pool, "precise").set(len(self.precise))
 
-    def heard_routed(self, endpoint: EndpointId, hashes: list[int], taught: bool) -> None:
-        """A peer replica sent a request with these blocks to ``endpoint``: believed as if this
-        one had (its approximate index where the peer's took them, the speculative guess)."""
-        if self.datastore.counter(endpoint) is None:
-            return  # a pod this replica does not route to (yet)
-        if taught:
-            self.approx.add(endpoint, hashes)
-        self.speculative.add(endpoint, hashes, self._clock())
-
-    def heard_undone(self, endpoint: EndpointId, hashes: list[int], taught: bool) -> None:
-        """A peer's attempt there failed before it computed anything."""
-        if taught:
-            self.approx.discard(endpoint, hashes)
-        self.speculative.discard(endpoint, hashes)
+    def heard(self, message: Message) -> None:
+        """What a peer replica did (``router/peers.py``), believed as if this one had: a leg it
+        sent counts on its pod (queued, prefilling, in flight) until its end is heard, and its
+        blocks are where the peer believes them (its approximate index where the peer's took
+        them, the speculative guess, the pod's working set)."""
+        now = self._clock()
+        foreign = self._foreign
+        while foreign:  # legs whose end was never heard (a lost message, a replica gone)
+            oldest = next(iter(foreign))
+            if foreign[oldest].at > now - LEG_TTL:
+                break
+            foreign.pop(oldest).leg.release(now, undo=False)
+        key = (message.sender, message.leg)
+        if message.kind == SENT:
+            view = self.datastore.view(message.endpoint)
+            if view is None:
+                return  # a pod this replica does not route to (yet)
+            eid, hashes = message.endpoint, message.hashes
+            if hashes:
+                if message.taught:
+                    self.approx.add(eid, hashes)
+                self.speculative.add(eid, hashes, now)
+                view.counter.touched(np.array(hashes, np.uint64), now)
+            foreign[key] = _Foreign(Leg(view.endpoint, view.counter, message.work, message.tokens, now), hashes,
+                                    message.taught, now)
+            return
+        found = foreign.get(key)
+        if found is None:
+            return
+        if message.kind == PREFILLED:
+            found.leg.prefilled()
+            return
+        del foreign[key]
+        found.leg.release(now, undo=message.undone)
+        if message.undone and found.hashes:
+            eid = found.leg.endpoint.id
+            if found.taught:
+                self.approx.discard(eid, found.hashes)
+            self.speculative.discard(eid, found.hashes)
 
     def mark_failed(self, endpoint: Endpoint) -> None:
         self.datastore.mark_failed(endpoint.id)
@@ -397,13 +427,23 @@ class Router:
                 task.add_done_callback(self._removals.discard)
 
 
+@dataclass(slots=True)
+class _Foreign:
+    """A peer's leg on one of the pods: counted there until its end is heard."""
+
+    leg: Leg
+    hashes: list[int]
+    taught: bool
+    at: float
+
+
 class _Lesson:
     """What one request's flight teaches its router (``kvflow.router.flight.Beliefs``): where
     its prompt's blocks now are (the approximate index, a speculative guess until its prefill
     there ends, the pod's working set), taken back where an attempt fails; the plugins'
     ``StartedHook``s, told where it went; passive health, told which pods answer and which fail."""
 
-    __slots__ = ("_router", "_request", "_result", "_hashes", "_teach_all", "_learned", "_guesses")
+    __slots__ = ("_router", "_request", "_result", "_hashes", "_teach_all", "_learned", "_guesses", "_legs")
 
     def __init__(self, router: Router, request: SchedulingRequest, result: SchedulingResult,
                  hashes: PromptFingerprints | None) -> None:
@@ -416,23 +456,28 @@ class _Lesson:
         """The prompt's fingerprints as the indexes take them, once it was sent somewhere."""
         self._guesses: dict[tuple[EndpointId, bool], set[int]] = {}
         """Each leg's speculative guess, until its prefill ends."""
+        self._legs: dict[bool, int] = {}
+        """Each leg's name on the wire to the router's peers, until it is released."""
 
-    def sent(self, endpoint: Endpoint, prefill: bool) -> None:
+    def sent(self, endpoint: Endpoint, prefill: bool, work: int, tokens: int) -> None:
         router, hashes = self._router, self._hashes
+        learned: list[int] = []
+        taught = False
         if hashes is not None:
             if hashes.num_blocks:  # (a prompt shorter than a block teaches nothing)
                 learned = self._learned = self._learned if self._learned is not None else hashes.all()
                 taught = self._teach_all or endpoint.id not in router.event_sources
                 if taught:
                     router.approx.add(endpoint.id, learned)
-                if router.peers is not None:
-                    router.peers.routed(endpoint.id, learned, taught)
                 guess = router.speculative.add(endpoint.id, learned, router._clock())
                 if guess is not None:
                     self._guesses[endpoint.id, prefill] = guess
             counter = router.datastore.counter(endpoint.id)
             if counter is not None:  # a long prompt's touch is real work: after the request is sent
                 router._later(router._touch, counter, hashes.array)
+        if router.peers is not None:
+            leg = self._legs[prefill] = next(router._leg_names)
+            router.peers.sent(leg, endpoint.id, learned, taught, work, tokens)
         if not prefill:
             for hook in router._hooks:
                 hook.request_started(self._request, _served_by(self._result, endpoint))
@@ -441,6 +486,14 @@ class _Lesson:
         guess = self._guesses.pop((endpoint.id, prefill), None)
         if guess is not None:
             self._router.speculative.prefilled(endpoint.id, guess)
+        peers, leg = self._router.peers, self._legs.get(prefill)
+        if peers is not None and leg is not None:
+            peers.prefilled(leg)
+
+    def released(self, endpoint: Endpoint, prefill: bool, undone: bool) -> None:
+        peers, leg = self._router.peers, self._legs.pop(prefill, None)
+        if peers is not None and leg is not None:
+            peers.released(leg, undone)
 
     def undone(self, endpoint: Endpoint, prefill: bool) -> None:
         router = self._router
@@ -449,8 +502,6 @@ class _Lesson:
         if self._learned is not None:
             router.approx.discard(endpoint.id, self._learned)
             router.speculative.discard(endpoint.id, self._learned)
-            if router.peers is not None:
-                router.peers.undone(endpoint.id, self._learned, True)
 
     def answered(self, endpoint: Endpoint, prefill: bool) -> None:
         self._router.outliers.succeeded(endpoint.id)

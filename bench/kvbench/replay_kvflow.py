@@ -9,6 +9,11 @@ The router's clock is the replay's. So a row "kvflow <profile> (replay)" is the 
 quality with no HTTP, no event-loop jitter and no CPU contention: beside the oracle and
 round-robin on the same replay, it says how much of a live gap is the policy and how much the
 machine, and it is deterministic (a tuning loop runs in seconds).
+
+With ``replicas`` > 1 it is N routers, as N gateway replicas: request *i* decided by router *i*
+mod N, every router hearing every pod's events and scrapes, and with ``peers`` each one's sends
+told to the others at once (``router/peers.py``, here an in-process bus), so a live replicated
+row's gap to one replica is told apart from the machine's share of it.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from typing import Any
 
 import msgspec
 
-from kvflow.endpoints import Endpoint
+from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.errors import RateLimitError
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.flight import Flight
+from kvflow.router.peers import PREFILLED, RELEASED, SENT, Message
 from kvflow.protocol.kv_events import decode_batch
 from kvflow.router.kv_events import apply
 from kvflow.protocol.kv_events import KVEventBatch
@@ -48,12 +54,21 @@ class KvflowReplay:
     """A ``Policy`` and ``Observer`` for ``oracle.replay``: the real router, on the replay's clock."""
 
     def __init__(self, pods: int, num_blocks: int, *, profile: str = "default",
-                 config: Mapping[str, Any] | None = None, secret: bytes = SECRET) -> None:
-        self.name = f"kvflow {profile} (replay)"
+                 config: Mapping[str, Any] | None = None, secret: bytes = SECRET, replicas: int = 1,
+                 peers: bool = True, events: bool = True) -> None:
+        self.name = f"kvflow {profile}" + ("" if events else " no-events") + (
+            "" if replicas == 1 else f"{'' if peers else ' no-peers'} x{replicas}") + " (replay)"
         self.now = 0.0
         self.endpoints = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(pods)]
         raw = {"kvEvents": {"enabled": False}, "blockSize": HASH.block_size, **(config or {})}
-        self.router = Router(load_config(raw), self.endpoints, profile=profile, clock=lambda: self.now, secret=secret)
+        self.routers = [Router(load_config(raw), self.endpoints, profile=profile, clock=lambda: self.now, secret=secret)
+                        for _ in range(replicas)]
+        self.router = self.routers[0]
+        self.events = events
+        """The pods' KV events reach the routers (else they publish none)."""
+        if peers and replicas > 1:
+            for i, router in enumerate(self.routers):
+                router.peers = _Bus(router, self.routers, i)
         self.scrape_interval = self.router.config.scrape_interval
         self.num_blocks = num_blocks
         self.flights: dict[int, Flight] = {}
@@ -69,7 +84,7 @@ class KvflowReplay:
         request = SchedulingRequest(str(prepared.request.index), MODEL, list(prepared.token_ids))
         started = time.thread_time()
         try:
-            flight = self.router.decide(request)
+            flight = self.routers[prepared.request.index % len(self.routers)].decide(request)
         except RateLimitError:  # every pod saturated: the gateway answers 429
             self.decide_seconds += time.thread_time() - started
             return None
@@ -96,12 +111,13 @@ class KvflowReplay:
         """The pod's KV events of this step, through the wire format, into the precise index."""
         self.now = now
         events = pod.scheduler.pool.take_events()
-        if not events:
+        if not events or not self.events:
             return
         eid = self.endpoints[pod.index].id
         payload = msgspec.msgpack.encode(KVEventBatch(ts=now, events=events))
-        self.unchained += apply(self.router.precise, eid, decode_batch(payload), self.router.speculative)
-        self.router.event_sources.add(eid)
+        for router in self.routers:  # every replica subscribes to every pod
+            self.unchained += apply(router.precise, eid, decode_batch(payload), router.speculative)
+            router.event_sources.add(eid)
 
     def scraped(self, pod: Pod, now: float) -> None:
         self.now = now
@@ -110,5 +126,28 @@ class KvflowReplay:
                                 block_size=sched.config.block_size, num_blocks=self.num_blocks,
                                 models=frozenset({MODEL}))
         endpoint = self.endpoints[pod.index]
-        self.router.datastore.record_scrape(endpoint.id, metrics, now)
-        self.router.approx.set_capacity(endpoint.id, self.num_blocks)
+        for router in self.routers:
+            router.datastore.record_scrape(endpoint.id, metrics, now)
+            router.approx.set_capacity(endpoint.id, self.num_blocks)
+
+
+class _Bus:
+    """``router``'s peers, in process: what it sends is heard by every other router at once."""
+
+    def __init__(self, router: Router, routers: Sequence[Router], name: int) -> None:
+        self._others = [r for r in routers if r is not router]
+        self._name = name.to_bytes(8, "little")
+
+    def _tell(self, message: Message) -> None:
+        for other in self._others:
+            other.heard(message)
+
+    def sent(self, leg: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool, work: int,
+             tokens: int) -> None:
+        self._tell(Message(self._name, SENT, leg, endpoint, list(hashes), taught, work, tokens))
+
+    def prefilled(self, leg: int) -> None:
+        self._tell(Message(self._name, PREFILLED, leg))
+
+    def released(self, leg: int, undone: bool) -> None:
+        self._tell(Message(self._name, RELEASED, leg, undone=undone))

@@ -12,7 +12,7 @@ from kvflow.endpoints import Endpoint, EndpointId
 from kvflow.local.procs import free_port
 from kvflow.router import Router, load_config
 from kvflow.router.model import SchedulingRequest
-from kvflow.router.peers import ROUTED, UNDONE, PeerLink, decode, encode, read_key
+from kvflow.router.peers import PREFILLED, RELEASED, SENT, Message, PeerLink, decode, encode, read_key
 from tests.waiting import eventually
 
 KEY = b"a key the replicas share, 32+ b"
@@ -20,15 +20,15 @@ POD = EndpointId("127.0.0.9:8000")
 
 
 def test_a_message_reads_back_only_with_the_key_it_was_signed_with() -> None:
-    frames = encode(KEY, b"sender01", ROUTED, POD, [1, 2**64 - 1, 7], True)
-    message = decode(KEY, frames)
-    assert message is not None
-    assert (message.sender, message.kind, message.endpoint, message.hashes, message.taught) == (
-        b"sender01", ROUTED, POD, [1, 2**64 - 1, 7], True)
+    sent = Message(b"sender01", SENT, 2**64 - 1, POD, [1, 2**64 - 1, 7], True, work=300, tokens=320)
+    frames = encode(KEY, sent)
+    assert decode(KEY, frames) == sent
     assert decode(b"another key, just as long as it", frames) is None
     assert decode(KEY, [frames[0], frames[1][:-1]]) is None  # cut short: the MAC no longer matches
     assert decode(KEY, frames[1:]) is None
-    assert decode(KEY, encode(KEY, b"sender01", UNDONE, POD, [], False)).kind == UNDONE  # type: ignore[union-attr]
+    for other in (Message(b"sender01", PREFILLED, 7), Message(b"sender01", RELEASED, 7, undone=True),
+                  Message(b"sender01", SENT, 8, POD)):
+        assert decode(KEY, encode(KEY, other)) == other
 
 
 def test_the_config_refuses_peers_without_a_shared_key_or_a_port(tmp_path: Path) -> None:
@@ -56,7 +56,8 @@ def replica(key_file: Path, pods: list[Endpoint], port: int, peer_ports: list[in
 
 async def test_a_replica_believes_what_its_peer_routed(tmp_path: Path, sim_pods) -> None:  # type: ignore[no-untyped-def]
     """Two replicas, pods without KV events: a prompt routed by one is cached where it went in
-    the other's approximate index too, with the same fingerprints; a failed attempt is taken back."""
+    the other's approximate index too, with the same fingerprints, and its request counts on
+    that pod in the other's load until it ends; a failed attempt is taken back."""
     key_file = tmp_path / "peers.key"
     key_file.write_bytes(KEY + b"\n")
     pods = [Endpoint(p.host, p.port) for p in sim_pods(2)]
@@ -65,11 +66,12 @@ async def test_a_replica_believes_what_its_peer_routed(tmp_path: Path, sim_pods)
     await a.start()
     await b.start()
     try:
-        assert a.peers is not None and b.peers is not None
+        link_a, link_b = a.peers, b.peers
+        assert isinstance(link_a, PeerLink) and isinstance(link_b, PeerLink)
         request = SchedulingRequest("r1", "sim-model", list(range(1, 200)))
         chain = a.fingerprints(request).all()
         assert chain == b.fingerprints(request).all()  # the shared key keys blocks alike
-        await eventually(lambda: b.peers.counts.peers and a.peers.counts.peers, what="both subscribed")  # type: ignore[union-attr]
+        await eventually(lambda: link_a.counts.peers and link_b.counts.peers, what="both subscribed")
 
         async def routed_until_heard() -> dict[EndpointId, int]:
             # PUB/SUB drops what is sent before a subscription is up: send until one arrives
@@ -83,6 +85,18 @@ async def test_a_replica_believes_what_its_peer_routed(tmp_path: Path, sim_pods)
         assert held[pick] == len(chain) and pick in {p.id for p in pods}
         assert a.approx.match(chain)[pick] == len(chain)
 
+        def in_flight(router: Router) -> dict[EndpointId, int]:
+            return {v.id: v.in_flight for v in router.datastore.snapshot()}
+
+        await eventually(lambda: not any(in_flight(b).values()), what="b hearing those requests end")
+        flight = a.decide(SchedulingRequest("long", "sim-model", list(range(1, 200))))
+        flight.dispatch()
+        there = flight.result.targets[0].id
+        await eventually(lambda: in_flight(b)[there] == 1, what="b counting a's request in flight")
+        flight.first_token()
+        flight.finish()
+        await eventually(lambda: in_flight(b)[there] == 0, what="b hearing it end")
+
         flight = a.decide(SchedulingRequest("r2", "sim-model", list(range(1, 200))))
         flight.dispatch()
         failed_on = flight.result.targets[0]
@@ -95,18 +109,18 @@ async def test_a_replica_believes_what_its_peer_routed(tmp_path: Path, sim_pods)
 
 
 async def test_messages_not_signed_with_the_shared_key_are_dropped_and_counted() -> None:
-    heard: list[tuple[EndpointId, list[int], bool]] = []
+    heard: list[Message] = []
     port = free_port("127.0.0.1")
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
-    link = PeerLink(KEY, port, addresses=[f"127.0.0.1:{pub_port}"], on_routed=lambda e, h, t: heard.append((e, h, t)),
-                    on_undone=lambda e, h, t: None, host="127.0.0.1")
+    link = PeerLink(KEY, port, addresses=[f"127.0.0.1:{pub_port}"], on_message=heard.append, host="127.0.0.1")
     await link.start()
     try:
-        forged = encode(b"not the key the replicas share!", b"intruder", ROUTED, POD, [5], True)
-        genuine = encode(KEY, b"a-peer-1", ROUTED, POD, [5], True)
+        message = Message(b"a-peer-1", SENT, 1, POD, [5], True, work=5, tokens=16)
+        forged = encode(b"not the key the replicas share!", message)
+        genuine = encode(KEY, message)
 
         async def sent_until_heard() -> bool:
             await pub.send_multipart(forged)
@@ -114,7 +128,7 @@ async def test_messages_not_signed_with_the_shared_key_are_dropped_and_counted()
             return bool(heard)
 
         await eventually(sent_until_heard, what="the genuine message")
-        assert heard[0] == (POD, [5], True)
+        assert heard[0] == message
         assert link.counts.refused >= 1 and link.counts.heard == len(heard)
     finally:
         await link.close()
@@ -124,9 +138,9 @@ async def test_messages_not_signed_with_the_shared_key_are_dropped_and_counted()
 
 async def test_a_port_another_replica_holds_is_refused_in_one_line() -> None:
     port = free_port("127.0.0.1")
-    first = PeerLink(KEY, port, on_routed=lambda e, h, t: None, on_undone=lambda e, h, t: None, host="127.0.0.1")
+    first = PeerLink(KEY, port, on_message=lambda m: None, host="127.0.0.1")
     await first.start()
-    second = PeerLink(KEY, port, on_routed=lambda e, h, t: None, on_undone=lambda e, h, t: None, host="127.0.0.1")
+    second = PeerLink(KEY, port, on_message=lambda m: None, host="127.0.0.1")
     try:
         with pytest.raises(OSError, match=f"peers.port {port}: .*own port"):
             await second.start()
