@@ -38,6 +38,8 @@ DATA_PARALLEL_RPC_PORT = 5555
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 # Engines publish KV events on this port (vLLM binds tcp://*:PORT); the router connects to each pod.
 KV_EVENTS_PORT = 5557
+# Router replicas publish what they route to each other here (render_peers.py, router/peers.py).
+PEERS_PORT = 5571
 CONFIG_DIR = "/etc/kvflow"
 ROUTER_CONFIG_FILE = "router.yaml"
 GATEWAY_CONFIG_FILE = "gateway.yaml"

@@ -20,6 +20,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts"),
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "ConfigMap"): ("/api/v1", "configmaps"),
+    ("v1", "Secret"): ("/api/v1", "secrets"),
     ("v1", "Pod"): ("/api/v1", "pods"),
     ("v1", "Event"): ("/api/v1", "events"),
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
@@ -40,7 +41,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
 
 # The order in which children are applied: what others reference comes first.
 APPLY_ORDER = [
-    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PersistentVolumeClaim", "Service", "Deployment",
+    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "PersistentVolumeClaim", "Service", "Deployment",
     "LeaderWorkerSet",
     "PodDisruptionBudget", "NetworkPolicy", "InferencePool", "HTTPRoute", "HorizontalPodAutoscaler", "ScaledObject",
 ]

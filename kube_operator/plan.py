@@ -4,6 +4,9 @@ Pure. Its one real decision is the rollout order: when a model or engine change 
 pools, only the first pool in ``rollout.poolOrder`` gets the new pod template; the other keeps
 the template it runs until the first pool is fully updated and available. Within a pool the
 Deployment's ``maxUnavailable: 0`` keeps the available replicas from dropping.
+
+It also completes what no renderer can know: the router replicas' shared key, kept from the
+cluster's Secret, or the fresh one given for a Secret that has none (``render_peers.keep_key``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from kvflow.operator import names
 from kvflow.operator.objects import Obj, key
+from kvflow.operator.render_peers import keep_key
 from kvflow.operator.render_pools import template_hash, workload_kind
 from kvflow.operator.spec import LLMService, PoolRole
 
@@ -71,14 +75,16 @@ def deployment_settled(observed: Mapping[str, Any]) -> bool:
 
 
 def plan(svc: LLMService, desired: list[Obj], observed: Mapping[Key, Obj],
-         scale: Mapping[PoolRole, int] | None = None) -> Plan:
+         scale: Mapping[PoolRole, int] | None = None, *, fresh_key: str | None = None) -> Plan:
     """Decide the objects to apply (amended for rollout order and scale) and to delete.
 
     ``observed`` holds the children that exist now and are owned by ``svc``; ``scale`` holds
-    the operator-autoscaler's replica decisions, if it manages the pools.
+    the operator-autoscaler's replica decisions, if it manages the pools; ``fresh_key`` is the
+    router replicas' key should their Secret hold none yet (``render_peers.new_key``).
     """
     scale = scale or {}
     apply = [copy.deepcopy(obj) for obj in desired]
+    keep_key(apply, observed, fresh_key)
     by_key = {key(obj): obj for obj in apply}
     pools: dict[PoolRole, PoolRollout] = {}
     blocked = False

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvflow.operator import adapters, health, lifecycle, names, scrape
+from kvflow.operator import adapters, health, lifecycle, names, render_peers, scrape
 from kvflow.operator import status as status_mod
 from kvflow.operator.kube import ApiError, KubeClient
 from kvflow.operator.objects import APPLY_ORDER, RESOURCES, Obj, content_hash, key
@@ -104,17 +104,28 @@ def stamp_applied_hash(obj: Obj) -> None:
 
 
 async def observe(client: KubeClient, svc: LLMService) -> dict[Key, Obj]:
-    """The children that exist now and that this LLMService owns (by label and owner uid)."""
+    """The children that exist now and that this LLMService owns (by label and owner uid).
+
+    Secrets are read by name, never listed: the one an LLMService has is its routers' key
+    (``render_peers.py``), and the operator holds ``get`` on Secrets, not ``list``, so that it
+    cannot enumerate what it was never given."""
     selector = {names.LABEL_SERVICE: svc.name, "app.kubernetes.io/managed-by": names.FIELD_MANAGER}
-    kinds = [(api, kind) for (api, kind) in RESOURCES if kind in APPLY_ORDER]
-    out: dict[Key, Obj] = {}
+    kinds = [(api, kind) for (api, kind) in RESOURCES if kind in APPLY_ORDER and kind != "Secret"]
+    found: list[Obj] = []
     for api_version, kind in kinds:
         if kind in OPTIONAL_KINDS and not await client.has_api(api_version, kind):
             continue
-        for item in await client.list(api_version, kind, svc.namespace, selector):
-            owners = item.get("metadata", {}).get("ownerReferences") or []
-            if any(ref.get("uid") == svc.uid for ref in owners):
-                out[key(item)] = item
+        found += await client.list(api_version, kind, svc.namespace, selector)
+    secret = await client.get("v1", "Secret", svc.namespace, render_peers.secret_name(svc))
+    if secret is not None:
+        found.append({"apiVersion": "v1", "kind": "Secret", **secret})
+    out: dict[Key, Obj] = {}
+    for item in found:
+        meta = item.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        owners = meta.get("ownerReferences") or []
+        if all(labels.get(k) == v for k, v in selector.items()) and any(ref.get("uid") == svc.uid for ref in owners):
+            out[key(item)] = item
     return out
 
 
@@ -151,7 +162,7 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], *, lifecycle_duties: b
         if lifecycle_duties:
             scale, events, stuck = await _lifecycle(rt, svc, observed, pods)
             loaded = await adapters.sync_service(svc, pods, rt.config.scrape_timeout, previous)
-        decided = plan(svc, desired, observed, scale)
+        decided = plan(svc, desired, observed, scale, fresh_key=render_peers.new_key())
         full = not lifecycle_duties or rt.resync_due(svc.uid)
         for obj in decided.apply:
             stamp_applied_hash(obj)

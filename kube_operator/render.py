@@ -1,7 +1,8 @@
 """``render(svc) -> objects``: every child object of one LLMService, as plain dicts.
 
 Pure and deterministic: the handlers and ``kvflow operator render`` call the same function, so
-what the CLI prints is what the operator applies (before ``plan`` holds back a pool mid-rollout).
+what the CLI prints is what the operator applies (before ``plan`` holds back a pool mid-rollout,
+and fills in the key router replicas share, which only the cluster's Secret holds).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvflow.operator.render_control import (
     picker_objects,
 )
 from kvflow.operator.render_network import network_policies
+from kvflow.operator.render_peers import peers_objects
 from kvflow.operator.render_pools import render_pools
 from kvflow.operator.spec import API_VERSION, KIND, LLMService, parse
 
@@ -26,7 +28,7 @@ from kvflow.operator.spec import API_VERSION, KIND, LLMService, parse
 def render(svc: LLMService, images: names.Images | None = None) -> list[Obj]:
     images = images or names.Images()
     objs = picker_objects(svc, images) + render_pools(svc, images)
-    objs += gateway_objects(svc, images) + autoscaler_objects(svc)
+    objs += gateway_objects(svc, images) + autoscaler_objects(svc) + peers_objects(svc)
     if svc.spec.network_policy.enabled:
         objs += network_policies(svc, metrics_from=svc.spec.network_policy.metrics_namespaces)
     return sort_for_apply(objs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvflow.operator import args, names, volumes
+from kvflow.operator import args, names, render_peers, volumes
 from kvflow.operator.objects import Obj, config_file, content_hash, new
 from kvflow.operator.render_picker import (
     PICKER_PORTS,
@@ -31,10 +31,13 @@ def _custom_profile(svc: LLMService) -> dict[str, Any]:
     return {"plugins": plugins, "schedulingProfiles": [{"name": CUSTOM_PROFILE, "plugins": refs}]}
 
 
-def router_config(svc: LLMService) -> dict[str, Any]:
+def router_config(svc: LLMService, component: render_peers.Routing = "router") -> dict[str, Any]:
     """The router's configuration file (``kvflow router --config``), in its strict schema, and
     checked by the router's own loader: a spec whose plugins the router would refuse is refused
-    here (an ``InvalidSpec`` condition), never rendered into a crash-looping router."""
+    here (an ``InvalidSpec`` condition), never rendered into a crash-looping router.
+
+    ``component`` is the one that runs it, the picker or the gateway: its replicas, if it has
+    several, share what they route with each other (``render_peers.py``)."""
     spec = svc.spec
     engines = [spec.engine_for(role) for role in spec.roles]
     kv_events: dict[str, Any] = {"enabled": spec.routing.kv_events, "port": names.KV_EVENTS_PORT,
@@ -55,6 +58,8 @@ def router_config(svc: LLMService) -> dict[str, Any]:
         config["loraPaths"] = {a.name: args.adapter_path(a.source) for a in spec.model.lora_adapters}
     if spec.routing.plugins:
         config |= _custom_profile(svc)
+    if render_peers.enabled(svc, component):
+        config["peers"] = render_peers.config(svc, component)
     try:
         load_config(config)
     except ValueError as exc:
@@ -64,7 +69,7 @@ def router_config(svc: LLMService) -> dict[str, Any]:
 
 def gateway_config(svc: LLMService) -> dict[str, Any]:
     """The gateway's configuration file (``kvflow gateway --config``): one pool, its router inside."""
-    config = router_config(svc)
+    config = router_config(svc, "gateway")
     return {
         "host": "0.0.0.0",
         "port": svc.spec.gateway.port,
@@ -114,6 +119,8 @@ def router_storage(svc: LLMService, images: names.Images) -> volumes.Storage:
         storage += _secret_storage("tls", tls.secret_name, args.TLS_DIR)
     if tls.client_ca_secret_name:
         storage += _secret_storage("client-ca", tls.client_ca_secret_name, args.CLIENT_CA_DIR)
+    if render_peers.enabled(svc, "router"):
+        storage += render_peers.storage(svc)
     return volumes.with_image(storage, images.kvflow, NON_ROOT)
 
 
@@ -126,7 +133,8 @@ def router_objects(svc: LLMService, images: names.Images) -> list[Obj]:
     container: Obj = {
         "name": "router", "image": images.kvflow, "command": command, "args": arguments,
         "env": [{"name": "PYTHONHASHSEED", "value": svc.spec.routing.hash_seed}],
-        "ports": copy.deepcopy(PICKER_PORTS),
+        "ports": [*copy.deepcopy(PICKER_PORTS),
+                  *([render_peers.container_port()] if render_peers.enabled(svc, "router") else [])],
         "readinessProbe": grpc_probe(5),
         "livenessProbe": grpc_probe(10),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
@@ -164,6 +172,10 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
                                                      gateway_config(svc), names.CONFIG_DIR)
     command, arguments = args.gateway(svc)
     storage = volumes.with_image(volumes.tokenizer_storage(svc)[0], images.kvflow, NON_ROOT)
+    ports: list[Obj] = [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}]
+    if render_peers.enabled(svc, "gateway"):
+        storage += render_peers.storage(svc)
+        ports.append(render_peers.container_port())
     batch_volume, batch_mount = _batch_volume(svc)
     deployment = new(svc, "apps/v1", "Deployment", name, "gateway")
     deployment["spec"] = {
@@ -179,7 +191,7 @@ def gateway_objects(svc: LLMService, images: names.Images) -> list[Obj]:
                 "containers": [{
                     "name": "gateway", "image": images.kvflow, "command": command, "args": arguments,
                     "env": [{"name": "PYTHONHASHSEED", "value": svc.spec.routing.hash_seed}],
-                    "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
+                    "ports": ports,
                     "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
                     "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
                     "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},

@@ -19,9 +19,10 @@ engine directly, around the gateway's authentication, limits and accounting. Two
   engine serves ``/metrics`` on its inference port, so those namespaces can reach inference
   too. Pass ``metrics_from=()`` to admit no scraper.
 
-``NAME-router`` (the picker's pods) admits ext_proc gRPC from the front door, and its metrics
-port (``/metrics``, ``/tokenize``, ``/debug``) only from the same scrapers; kubelet probes are
-node traffic, which Kubernetes network plugins admit whatever the policy.
+``NAME-router`` (the picker's pods) admits ext_proc gRPC from the front door, its metrics
+port (``/metrics``, ``/tokenize``, ``/debug``) only from the same scrapers and, with several
+replicas, the peers port from the other replicas (``render_peers.py``); kubelet probes are node
+traffic, which Kubernetes network plugins admit whatever the policy.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvflow.operator import names
+from kvflow.operator import names, render_peers
 from kvflow.operator.objects import Obj, new
 from kvflow.operator.spec import LLMService
 
@@ -80,6 +81,9 @@ def _router(svc: LLMService, scrapers: list[str]) -> Obj:
     rules = [_rule(_front_door(svc), [names.ROUTER_GRPC_PORT])]
     if scrapers:
         rules.append(_rule(_namespaces(scrapers), [names.ROUTER_METRICS_PORT]))
+    if render_peers.enabled(svc, "router"):
+        replicas = {"podSelector": {"matchLabels": names.selector_labels(svc, "router")}}
+        rules.append(_rule([replicas], [names.PEERS_PORT]))
     return _policy(svc, f"{svc.name}-router", names.selector_labels(svc, "router"), rules)
 
 

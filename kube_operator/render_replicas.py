@@ -2,12 +2,14 @@
 replicas: the rolling update, where the replicas go, and the disruption budget.
 
 Every replica of a router or gateway routes on its own (active-active; docs/operator.md,
-"Replicas: what each one knows"), so the aim is plain availability: never fewer ready replicas
+"Replicas: what each one knows"), telling the others what it routed (``render_peers.py``), so
+the aim here is plain availability: never fewer ready replicas
 than asked for during an update, replicas on different nodes where the cluster has them, and
 at least one left during a voluntary disruption (a node drain) without ever blocking one.
 
 The placement is in the pod template at every replica count, one included: a template that
-changed with ``replicas`` would roll every running replica on a mere scale change.
+changed with ``replicas`` would roll every running replica on a mere scale change. (The peers
+change it once, from one replica to two: a single replica has no one to tell.)
 """
 
 from __future__ import annotations

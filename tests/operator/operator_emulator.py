@@ -37,6 +37,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status", "eviction"}},
     "v1/services": {"kind": "Service", "namespaced": True},
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
+    "v1/secrets": {"kind": "Secret", "namespaced": True},
     "v1/persistentvolumeclaims": {"kind": "PersistentVolumeClaim", "namespaced": True},
     "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True},
     "v1/events": {"kind": "Event", "namespaced": True},

@@ -164,13 +164,15 @@ def test_scale_only_change_rolls_nothing() -> None:
 
 
 def test_children_no_longer_rendered_are_deleted() -> None:
-    old = service(gateway={"replicas": 2})  # two replicas: a disruption budget too
+    old = service(gateway={"replicas": 2})  # two replicas: a disruption budget and peers too
     new = service(gateway={"mode": "none"})
     decided = plan(new, render(new), running(render(old)))
     assert decided.delete == [("apps/v1", "Deployment", "sim-llm-gateway"),
                               ("policy/v1", "PodDisruptionBudget", "sim-llm-gateway"),
                               ("v1", "ConfigMap", "sim-llm-gateway"),
-                              ("v1", "Service", "sim-llm-gateway")]
+                              ("v1", "Secret", "sim-llm-peers"),  # no other replicas share a key
+                              ("v1", "Service", "sim-llm-gateway"),
+                              ("v1", "Service", "sim-llm-gateway-peers")]
 
 
 def test_operator_autoscaling_keeps_the_decided_replicas() -> None:

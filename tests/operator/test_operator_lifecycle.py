@@ -25,6 +25,7 @@ CHILDREN = {
     ("inference.networking.k8s.io/v1/inferencepools", NAME),
     ("apps/v1/deployments", f"{NAME}-gateway"), ("v1/services", f"{NAME}-gateway"),
     ("policy/v1/poddisruptionbudgets", f"{NAME}-gateway"), ("v1/configmaps", f"{NAME}-gateway"),
+    ("v1/services", f"{NAME}-gateway-peers"), ("v1/secrets", f"{NAME}-peers"),  # its replicas share routing
 }
 
 
@@ -33,7 +34,7 @@ def sample(port: int) -> dict[str, Any]:
     body["metadata"]["name"] = NAME
     body["spec"]["engine"]["port"] = port
     body["spec"]["lifecycle"]["stuckAfterSeconds"] = 10
-    body["spec"]["gateway"] = {"replicas": 2}  # two replicas: a disruption budget to create and delete
+    body["spec"]["gateway"] = {"replicas": 2}  # two replicas: a disruption budget and peers to create and delete
     return body
 
 
@@ -127,6 +128,8 @@ async def test_create_scale_update_stuck_delete_and_rbac(harness: Harness) -> No
     # Switching the gateway off deletes its children (and only those).
     await h.request("PATCH", f"{LLMS}/{NAME}", {"spec": {"gateway": {"mode": "none"}}})
     await eventually(lambda: not h.k8s.read("apps/v1/deployments", NS, f"{NAME}-gateway"), what="gateway gone")
+    await eventually(lambda: not h.k8s.read("v1/secrets", NS, f"{NAME}-peers")
+                     and not h.k8s.read("v1/services", NS, f"{NAME}-gateway-peers"), what="the peers' key and Service gone")
     assert h.k8s.read("apps/v1/deployments", NS, f"{NAME}-router")
 
     # Delete: the operator releases its finalizer; the garbage collector takes the children.

@@ -101,10 +101,15 @@ def test_one_replica_gets_no_budget_that_would_block_a_drain(component: str) -> 
 
 @pytest.mark.parametrize("component", ["router", "gateway"])
 def test_scaling_changes_no_pod_template(component: str) -> None:
-    """Placement is the same at any count, so a scale change starts or stops pods and rolls none."""
+    """Placement is the same at any count, and from two replicas on so are the peers they share
+    routing with (test_peers.py), so a scale change starts or stops pods and rolls none; only
+    going from one replica to several (or back) rolls them once, to start (or stop) sharing."""
     templates = [deployment(rendered(**{SECTION[component]: {"replicas": n}}), component)["spec"]["template"]
-                 for n in (1, 2, 5)]
+                 for n in (2, 3, 5)]
     assert templates[0] == templates[1] == templates[2]
+    one = deployment(rendered(**{SECTION[component]: {"replicas": 1}}), component)["spec"]["template"]
+    assert {k: v for k, v in one["spec"].items() if k not in ("containers", "volumes")} == \
+        {k: v for k, v in templates[0]["spec"].items() if k not in ("containers", "volumes")}
 
 
 def test_gies_picker_replicas_are_placed_and_budgeted_as_the_routers() -> None:
@@ -132,9 +137,12 @@ def test_a_gateway_sharing_a_batch_claim_stays_on_one_node(replicas: int) -> Non
     assert "topologySpreadConstraints" in router  # the router keeps spreading: it holds no claim
 
 
-def test_scaling_down_to_one_replica_deletes_the_budget() -> None:
+def test_scaling_down_to_one_replica_deletes_the_budget_and_the_peers() -> None:
     observed = {key(o): o for o in rendered(routing={"replicas": 3}, gateway={"replicas": 3})}
     one = service()
     decided = plan(one, render(one, IMAGES), observed)
     assert decided.delete == [("policy/v1", "PodDisruptionBudget", "sim-llm-gateway"),
-                              ("policy/v1", "PodDisruptionBudget", "sim-llm-router")]
+                              ("policy/v1", "PodDisruptionBudget", "sim-llm-router"),
+                              ("v1", "Secret", "sim-llm-peers"),
+                              ("v1", "Service", "sim-llm-gateway-peers"),
+                              ("v1", "Service", "sim-llm-router-peers")]
