@@ -55,7 +55,7 @@ SENT, PREFILLED, RELEASED = 1, 2, 3
 _HEAD = struct.Struct("<B8sBQ")
 _SENT = struct.Struct("<IIBH")
 _MAC_BYTES = 16
-_MIN_KEY_BYTES = 16
+MIN_KEY_BYTES = 16
 _SEND_HWM = 10_000
 """Messages queued per peer before the newest are dropped (a peer that stopped reading)."""
 LEG_TTL = 300.0
@@ -94,8 +94,8 @@ def read_key(path: str) -> bytes:
         key = Path(path).read_bytes().strip()
     except OSError as exc:
         raise ValueError(f"peers.keyFile {path}: {exc.strerror or exc}") from None
-    if len(key) < _MIN_KEY_BYTES:
-        raise ValueError(f"peers.keyFile {path}: the key must be at least {_MIN_KEY_BYTES} bytes")
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"peers.keyFile {path}: the key must be at least {MIN_KEY_BYTES} bytes")
     return key
 
 

@@ -102,7 +102,7 @@ def test_one_replica_gets_no_budget_that_would_block_a_drain(component: str) -> 
 @pytest.mark.parametrize("component", ["router", "gateway"])
 def test_scaling_changes_no_pod_template(component: str) -> None:
     """Placement is the same at any count, and from two replicas on so are the peers they share
-    routing with (test_peers.py), so a scale change starts or stops pods and rolls none; only
+    routing with (test_operator_peers.py), so a scale change starts or stops pods and rolls none; only
     going from one replica to several (or back) rolls them once, to start (or stop) sharing."""
     templates = [deployment(rendered(**{SECTION[component]: {"replicas": n}}), component)["spec"]["template"]
                  for n in (2, 3, 5)]

@@ -256,3 +256,10 @@ async def test_the_key_survives_reconciles_and_a_new_one_rolls_every_replica(har
     calls = [e for e in h.k8s.audit if e.user_agent.startswith(("kvflow-operator", "kopf"))]
     audit_against_chart(calls, check_unused=False)
     assert not [c for c in calls if c.resource == "secrets" and c.verb in ("list", "watch")]  # read by name only
+
+
+def test_the_operator_accepts_the_keys_the_routers_accept() -> None:
+    from kvflow.operator import render_peers
+    from kvflow.router import peers
+
+    assert render_peers.MIN_KEY_BYTES == peers.MIN_KEY_BYTES
