@@ -115,8 +115,9 @@ def print_outcome(outcome: Outcome) -> None:
 
 def replica_lines(rows: list[report.Row], rate: float, decisions: dict[str, dict[float, tuple[int, ...]]]) -> list[str]:
     """Each row with replicas against its one-replica row at ``rate`` (a no-events row also
-    against the row with events): issue 51 asks within 10 % on mean and p90 TTFT, and hit rate
-    within 2 points; and how its replicas shared the decisions."""
+    against the row with events): issue 51 asks that they route as well as one, no more than
+    10 % slower on mean and p90 TTFT and 2 points lower on hit rate; and how its replicas shared
+    the decisions."""
     at = {r.router: r for r in rows if r.rate == rate and r.measured}
     out = []
     for name, row in at.items():
@@ -131,9 +132,9 @@ def replica_lines(rows: list[report.Row], rate: float, decisions: dict[str, dict
         for one in (at[n] for n in ones if n in at):
             mean, p90 = row.ttft_mean_ms / one.ttft_mean_ms, row.ttft_p90_ms / one.ttft_p90_ms
             hit = (row.hit_rate - one.hit_rate) * 100
-            met = max(abs(mean - 1), abs(p90 - 1)) <= 0.10 and abs(hit) <= 2
+            met = max(mean, p90) <= 1.10 and hit >= -2  # as well as one: no more than 10 % or 2 points worse
             out.append(f"issue 51 ({name} vs {one.router}, at {rate:g} req/s): mean TTFT {mean:.2f}, p90 {p90:.2f}, "
-                       f"hit rate {hit:+.1f} points (within 10 % and 2 points: {'met' if met else 'NOT met'})")
+                       f"hit rate {hit:+.1f} points (at most 10 % and 2 points worse: {'met' if met else 'NOT met'})")
         shares = decisions.get(name, {}).get(rate)
         if shares:
             out.append(f"  {name}: decisions per replica {'/'.join(map(str, shares))}")
