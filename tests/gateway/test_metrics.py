@@ -13,6 +13,16 @@ from kvflow.router.observability import RouterMetrics
 from tests.gateway.fakes import ScriptedRouter
 
 
+
+def rendered(metrics: GatewayMetrics) -> list[str]:
+    """The fast render's lines, once it is checked to be ``generate_latest``'s byte for byte."""
+    fast = metrics.render()
+    reference = CollectorRegistry(auto_describe=False)
+    reference.register(metrics.registry)
+    assert fast == generate_latest(reference)
+    return fast.decode().splitlines()
+
+
 def test_router_registries_merge_family_by_family() -> None:
     gateway = GatewayMetrics()
     gateway.count(gateway.requests, "m", "200")
@@ -20,11 +30,7 @@ def test_router_registries_merge_family_by_family() -> None:
         router = RouterMetrics(pool)
         router.decisions.labels(pool, "default", "aggregated").inc(n)
         gateway.join(router.registry)
-    fast = gateway.render()
-    reference = CollectorRegistry(auto_describe=False)
-    reference.register(gateway.registry)
-    assert fast == generate_latest(reference)
-    lines = fast.decode().splitlines()
+    lines = rendered(gateway)
     assert lines.count("# TYPE kvflow_router_decisions_total counter") == 1
     assert 'kvflow_router_decisions_total{pool="a",profile="default",result="aggregated"} 1.0' in lines
     assert 'kvflow_router_decisions_total{pool="b",profile="default",result="aggregated"} 3.0' in lines
@@ -73,11 +79,7 @@ def test_a_joined_router_renders_on_the_same_registry_as_generate_latest_would()
     router.prompt_tokens.labels("pool-a").inc(5)
     router.in_flight.labels("pool-a", "10.0.0.1:8000").set(2)
     metrics.join(router.registry)
-    fast = metrics.render()
-    reference = CollectorRegistry(auto_describe=False)
-    reference.register(metrics.registry)
-    assert fast == generate_latest(reference)
-    lines = fast.decode().splitlines()
+    lines = rendered(metrics)
     assert 'kvflow_router_prompt_tokens_total{pool="pool-a"} 5.0' in lines
     assert 'kvflow_router_endpoint_in_flight{endpoint="10.0.0.1:8000",pool="pool-a"} 2.0' in lines
     assert lines.index('kvflow_gateway_requests_total{model="m",status="200"} 1.0') < lines.index(
