@@ -13,8 +13,8 @@ import pytest
 import yaml
 from operator_harness import Harness, eventually
 from operator_rbac import audit_against_chart
-from operator_schemas import crd_errors, validate
-from operator_tools import SAMPLES
+from operator_schemas import validate
+from operator_samples import IMAGES, SECTION, body, rendered, service
 
 from kvflow.gateway.config import GatewayConfig
 from kvflow.operator import names
@@ -22,39 +22,13 @@ from kvflow.operator.objects import key
 from kvflow.operator.plan import plan
 from kvflow.operator.render import render
 from kvflow.operator.render_network import network_policies
-from kvflow.operator.spec import LLMService, parse
 from kvflow.router.config import load_config
 from kvflow.router.peers import read_key
 
-IMAGES = names.Images(kvflow="ghcr.io/kvflow/kvflow:test", vllm="vllm/vllm-openai:test")
-SECTION = {"router": "routing", "gateway": "gateway"}
 CONFIG = {"router": ("sim-llm-router", "router.yaml"), "gateway": ("sim-llm-gateway", "gateway.yaml")}
 NS = "default"
 LLMS = f"/apis/kvflow.io/v1alpha1/namespaces/{NS}/llmservices"
 KEY_ID = "kvflow.io/peers-key-id"
-
-
-def body(**spec: dict[str, Any]) -> dict[str, Any]:
-    """The sim sample with ``spec`` sections merged in, checked by the CRD schema."""
-    doc: dict[str, Any] = yaml.safe_load((SAMPLES / "sim.yaml").read_text())
-    for section, fields in spec.items():
-        doc["spec"][section] = {**doc["spec"].get(section, {}), **fields}
-    assert crd_errors(doc) == []
-    return doc
-
-
-def service(**spec: dict[str, Any]) -> LLMService:
-    doc = body(**spec)
-    doc["metadata"]["uid"] = "00000000-0000-0000-0000-000000000001"
-    return parse(doc)
-
-
-def rendered(**spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """``service(**spec)``'s objects, each checked by the API's own (strict) schemas."""
-    objs = render(service(**spec), IMAGES)
-    for obj in objs:
-        validate(obj)
-    return objs
 
 
 def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any] | None:

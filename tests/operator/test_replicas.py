@@ -8,38 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import yaml
-from operator_schemas import crd_errors, validate
-from operator_tools import SAMPLES
+from operator_samples import IMAGES, SECTION, rendered, service
 
-from kvflow.operator import names
 from kvflow.operator.objects import key
 from kvflow.operator.plan import plan
 from kvflow.operator.render import render
-from kvflow.operator.spec import LLMService, parse
 
-IMAGES = names.Images(kvflow="ghcr.io/kvflow/kvflow:test", vllm="vllm/vllm-openai:test")
 HOSTNAME = "kubernetes.io/hostname"
-# The spec section that sets each component's replicas.
-SECTION = {"router": "routing", "gateway": "gateway"}
-
-
-def service(**spec: dict[str, Any]) -> LLMService:
-    """The sim sample with ``spec`` sections merged in, checked by the CRD schema."""
-    body = yaml.safe_load((SAMPLES / "sim.yaml").read_text())
-    body["metadata"]["uid"] = "00000000-0000-0000-0000-000000000001"
-    for section, fields in spec.items():
-        body["spec"][section] = {**body["spec"].get(section, {}), **fields}
-    assert crd_errors(body) == []
-    return parse(body)
-
-
-def rendered(**spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """``service(**spec)``'s objects, each checked by the API's own (strict) schemas."""
-    objs = render(service(**spec), IMAGES)
-    for obj in objs:
-        validate(obj)
-    return objs
 
 
 def named(objs: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any] | None:
