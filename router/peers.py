@@ -78,14 +78,13 @@ class Message:
 
 
 class Peers(Protocol):
-    """What a router tells its peers (``PeerLink`` over the network; a replay's in-process bus)."""
+    """Where a router tells its peers what it did (``PeerLink`` over the network; a replay's
+    in-process bus): ``sent`` a leg, its prefill ended (``prefilled``), it was ``released``."""
 
-    def sent(self, leg: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool, work: int,
-             tokens: int) -> None: ...
+    sender: bytes
+    """This router's name on the wire (its messages' ``sender``)."""
 
-    def prefilled(self, leg: int) -> None: ...
-
-    def released(self, leg: int, undone: bool) -> None: ...
+    def tell(self, message: Message) -> None: ...
 
 
 def read_key(path: str) -> bytes:
@@ -216,20 +215,7 @@ class PeerLink:
         self._pub = self._sub = None
         self._ctx.term()
 
-    def sent(self, leg: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool, work: int,
-             tokens: int) -> None:
-        """This replica sent a leg of a request there: its blocks, its prefill work and KV."""
-        self._send(Message(self.sender, SENT, leg, endpoint, list(hashes), taught, work, tokens))
-
-    def prefilled(self, leg: int) -> None:
-        """The leg's prefill ended (its first token)."""
-        self._send(Message(self.sender, PREFILLED, leg))
-
-    def released(self, leg: int, undone: bool) -> None:
-        """The pod no longer holds the leg; ``undone``: it computed nothing of it."""
-        self._send(Message(self.sender, RELEASED, leg, undone=undone))
-
-    def _send(self, message: Message) -> None:
+    def tell(self, message: Message) -> None:
         if self._pub is None:
             return
         try:

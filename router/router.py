@@ -34,7 +34,9 @@ from kvflow.router.kv_events import KvEventSubscriber
 from kvflow.router.load import LoadCounter
 from kvflow.router.model import EngineMetrics, SchedulingRequest, SchedulingResult
 from kvflow.router.observability import DecisionLog, RouterMetrics
-from kvflow.router.peers import LEG_TTL, PREFILLED, SENT, Message, PeerLink, Peers, fingerprint_secret, read_key
+from kvflow.router.peers import (
+    LEG_TTL, PREFILLED, RELEASED, SENT, Message, PeerLink, Peers, fingerprint_secret, read_key,
+)
 from kvflow.router.pd import Decision, PdPolicy, decide
 from kvflow.router.plugins import PluginContext, build
 from kvflow.router.request import Incoming, PoolNames, scheduling_request, tokens_off_loop
@@ -345,7 +347,7 @@ class Router:
         foreign = self._foreign
         while foreign:  # legs whose end was never heard (a lost message, a replica gone)
             oldest = next(iter(foreign))
-            if foreign[oldest].at > now - LEG_TTL:
+            if foreign[oldest].leg.sent_at > now - LEG_TTL:
                 break
             foreign.pop(oldest).leg.release(now, undo=False)
         key = (message.sender, message.leg)
@@ -360,7 +362,7 @@ class Router:
                 self.speculative.add(eid, hashes, now)
                 view.counter.touched(np.array(hashes, np.uint64), now)
             foreign[key] = _Foreign(Leg(view.endpoint, view.counter, message.work, message.tokens, now), hashes,
-                                    message.taught, now)
+                                    message.taught)
             return
         found = foreign.get(key)
         if found is None:
@@ -434,7 +436,6 @@ class _Foreign:
     leg: Leg
     hashes: list[int]
     taught: bool
-    at: float
 
 
 class _Lesson:
@@ -477,7 +478,7 @@ class _Lesson:
                 router._later(router._touch, counter, hashes.array)
         if router.peers is not None:
             leg = self._legs[prefill] = next(router._leg_names)
-            router.peers.sent(leg, endpoint.id, learned, taught, work, tokens)
+            router.peers.tell(Message(router.peers.sender, SENT, leg, endpoint.id, learned, taught, work, tokens))
         if not prefill:
             for hook in router._hooks:
                 hook.request_started(self._request, _served_by(self._result, endpoint))
@@ -488,12 +489,12 @@ class _Lesson:
             self._router.speculative.prefilled(endpoint.id, guess)
         peers, leg = self._router.peers, self._legs.get(prefill)
         if peers is not None and leg is not None:
-            peers.prefilled(leg)
+            peers.tell(Message(peers.sender, PREFILLED, leg))
 
     def released(self, endpoint: Endpoint, prefill: bool, undone: bool) -> None:
         peers, leg = self._router.peers, self._legs.pop(prefill, None)
         if peers is not None and leg is not None:
-            peers.released(leg, undone)
+            peers.tell(Message(peers.sender, RELEASED, leg, undone=undone))
 
     def undone(self, endpoint: Endpoint, prefill: bool) -> None:
         router = self._router

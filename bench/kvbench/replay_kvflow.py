@@ -25,11 +25,11 @@ from typing import Any
 
 import msgspec
 
-from kvflow.endpoints import Endpoint, EndpointId
+from kvflow.endpoints import Endpoint
 from kvflow.errors import RateLimitError
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.flight import Flight
-from kvflow.router.peers import PREFILLED, RELEASED, SENT, Message
+from kvflow.router.peers import Message
 from kvflow.protocol.kv_events import decode_batch
 from kvflow.router.kv_events import apply
 from kvflow.protocol.kv_events import KVEventBatch
@@ -132,22 +132,12 @@ class KvflowReplay:
 
 
 class _Bus:
-    """``router``'s peers, in process: what it sends is heard by every other router at once."""
+    """``router``'s peers, in process: what it tells is heard by every other router at once."""
 
     def __init__(self, router: Router, routers: Sequence[Router], name: int) -> None:
         self._others = [r for r in routers if r is not router]
-        self._name = name.to_bytes(8, "little")
+        self.sender = name.to_bytes(8, "little")
 
-    def _tell(self, message: Message) -> None:
+    def tell(self, message: Message) -> None:
         for other in self._others:
             other.heard(message)
-
-    def sent(self, leg: int, endpoint: EndpointId, hashes: Sequence[int], taught: bool, work: int,
-             tokens: int) -> None:
-        self._tell(Message(self._name, SENT, leg, endpoint, list(hashes), taught, work, tokens))
-
-    def prefilled(self, leg: int) -> None:
-        self._tell(Message(self._name, PREFILLED, leg))
-
-    def released(self, leg: int, undone: bool) -> None:
-        self._tell(Message(self._name, RELEASED, leg, undone=undone))
