@@ -202,6 +202,9 @@ class ReplayResult:
     hit_rate: float
     placements: tuple[int, ...] = ()
     """The pod each trace request was sent to (-1: refused, or never sent)."""
+    reload_rate: float = 0.0
+    """Prompt tokens loaded back from the pods' CPU offload tiers over those queried (no part of
+    ``hit_rate``: vLLM counts them as external hits)."""
 
 
 def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = False, cpu_blocks: int = 0) -> Pod:
@@ -340,8 +343,9 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
         start_step(pod, now)
     hits = sum(p.scheduler.prefix_stats.hits for p in fleet)
     queries = sum(p.scheduler.prefix_stats.queries for p in fleet)
+    reloaded = sum(p.scheduler.prefix_stats.external_hits for p in fleet) if cpu_blocks else 0
     return ReplayResult(policy.name, tuple(ttft), tuple(finished), tuple(p.routed for p in fleet),
-                        hits / queries if queries else 0.0, tuple(placed))
+                        hits / queries if queries else 0.0, tuple(placed), reloaded / queries if queries else 0.0)
 
 
 ORACLE_WEIGHTS = (0.0, 1.0, 2.0, 4.0)
