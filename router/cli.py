@@ -37,7 +37,7 @@ from kvflow.errors import AuthenticationError, KvflowError
 from kvflow.router import status_api
 from kvflow.router.config import load_config, read_source
 from kvflow.router.dashboard import HEADERS, page_file
-from kvflow.router.epp import TlsOptions, serve_health, server_credentials
+from kvflow.router.epp import TlsOptions, serve_health, server_ssl_context
 from kvflow.router.extproc import ExtProcLimits, serve
 from kvflow.router.request import tokens_off_loop
 from kvflow.routing_headers import check_allowable
@@ -237,13 +237,13 @@ async def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc) if str(exc).startswith("kvflow router") else f"kvflow router: {exc}") from None
     router = Router(config, endpoints, profile=args.profile or config.default_profile, tokenizer=tokenizer)
     try:
-        credentials = server_credentials(TlsOptions(args.secure_serving, args.cert_path, args.client_ca))
+        tls = server_ssl_context(TlsOptions(args.secure_serving, args.cert_path, args.client_ca))
     except (ValueError, OSError) as exc:
         raise SystemExit(f"kvflow router: TLS: {exc}") from None
     await router.start()  # also watches the pool's pods when the config names a Kubernetes pool
     limits = ExtProcLimits(args.max_body_bytes, args.max_streams,
                            frozenset(check_allowable(args.allow_client_header)), args.max_buffered_bytes)
-    server = await serve(router, args.host, args.port, limits, credentials)
+    server = await serve(router, args.host, args.port, limits, tls)
     health = await serve_health(args.host, args.grpc_health_port) if args.grpc_health_port else None
     runner = None
     if args.metrics_port:
@@ -254,7 +254,7 @@ async def run(args: argparse.Namespace) -> int:
         "router: ext_proc on %s:%d (%s), profile %s, %d endpoints",
         args.host,
         args.port,
-        ("mutual TLS" if args.client_ca else "TLS") if credentials else "plaintext",
+        ("mutual TLS" if args.client_ca else "TLS") if tls else "plaintext",
         router.profile,
         len(router.endpoints),
     )

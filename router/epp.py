@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import ssl
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvflow import certs
+from kvflow.router.grpc_h2 import CallError, GrpcServer, Message, Method, Status
 
 log = logging.getLogger(__name__)
 
@@ -36,35 +39,54 @@ class TlsOptions:
     client_ca: Path | None = None  # require client certificates signed by this CA bundle
 
 
-def server_credentials(options: TlsOptions, hosts: tuple[str, ...] = ()) -> grpc.ServerCredentials | None:
-    """The ext_proc port's credentials; None for plaintext (only when asked for explicitly)."""
+def server_ssl_context(options: TlsOptions, hosts: tuple[str, ...] = ()) -> ssl.SSLContext | None:
+    """The ext_proc port's TLS (HTTP/2 by ALPN, as gRPC wants); None for plaintext (only when
+    asked for explicitly)."""
     if not options.secure:
         if options.client_ca is not None:
             raise ValueError("--client-ca needs TLS: drop --no-secure-serving")
         return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
     if options.cert_path is not None:
-        pair = certs.KeyPair((options.cert_path / "tls.crt").read_bytes(), (options.cert_path / "tls.key").read_bytes())
+        context.load_cert_chain(options.cert_path / "tls.crt", options.cert_path / "tls.key")
     else:
         pair = certs.self_signed(hosts or ("localhost", socket.gethostname()))
         log.info("ext_proc TLS: a self-signed certificate (give --cert-path for your own)")
-    client_ca = options.client_ca.read_bytes() if options.client_ca is not None else None
-    return grpc.ssl_server_credentials([(pair.key_pem, pair.cert_pem)], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+        with tempfile.TemporaryDirectory() as folder:  # the ssl module loads keys from files only
+            cert, key = Path(folder) / "tls.crt", Path(folder) / "tls.key"
+            cert.write_bytes(pair.cert_pem)
+            key.write_bytes(pair.key_pem)
+            context.load_cert_chain(cert, key)
+    if options.client_ca is not None:
+        context.load_verify_locations(cadata=options.client_ca.read_text())
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
-async def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for service in HEALTH_SERVICES:
-        await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return servicer
+def health_methods() -> dict[str, Method]:
+    """gRPC health's ``Check``: SERVING for ``HEALTH_SERVICES``, NOT_FOUND for others (as
+    grpcio's health servicer answers); ``Watch`` is not served (UNIMPLEMENTED)."""
+
+    async def check(requests: AsyncIterator[health_pb2.HealthCheckRequest]) -> AsyncIterator[Message]:
+        async for request in requests:
+            if request.service not in HEALTH_SERVICES:
+                raise CallError(Status.NOT_FOUND, f"unknown service {request.service!r}")
+            yield _SERVING
+            return
+
+    return {"/grpc.health.v1.Health/Check": Method(health_pb2.HealthCheckRequest, check)}
 
 
-async def serve_health(host: str, port: int) -> grpc.aio.Server:
+_SERVING = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+async def serve_health(host: str, port: int) -> GrpcServer:
     """A plaintext gRPC server with only the health service (kubelet's probes)."""
-    server = grpc.aio.server()
-    await add_health(server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise OSError(f"cannot bind the gRPC health server to {host}:{port}")
-    await server.start()
+    server = GrpcServer(health_methods())
+    try:
+        await server.start(host, port)
+    except OSError as exc:
+        raise OSError(f"cannot bind the gRPC health server to {host}:{port}: {exc.strerror or exc}") from None
     return server

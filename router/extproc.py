@@ -11,7 +11,10 @@ Extension requires). Per request:
    ``x-gateway-destination-endpoint`` = the ordered fallback list, and clears the route
    cache; then the unchanged body as a streamed body response;
 3. response headers and body chunks — passed straight back (streaming stays streaming); the
-   last chunk ends the request's in-flight accounting.
+   last chunk ends the request's in-flight accounting. A listener that keeps answers' bodies
+   away from the picker (``response_body_mode: NONE``, ``envoy_config.Listener.response_bodies``)
+   sends only the headers; Envoy ends the stream when the answer ends, and that ends the
+   accounting.
 
 No endpoint → an immediate 503; shedding → 429 (``Retry-After``); a malformed body → 400.
 
@@ -36,20 +39,20 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvflow.errors import KvflowError, NoCapacityError, PayloadTooLargeError, from_exception
 from kvflow.request_body import DEFAULT_BUFFERED_BODIES, DEFAULT_MAX_DEPTH, BodyBudget, client_body
 from kvflow.router.flight import Flight
+from kvflow.router.grpc_h2 import GrpcServer, Method
 from kvflow.router.model import SchedulingResult
 from kvflow.router.request import Incoming
 from kvflow.router.router import Router
@@ -65,6 +68,7 @@ PICKED_RESPONSE_HEADER = PICKED
 LB_METADATA_NAMESPACE = "envoy.lb"
 CHUNK = 62_000  # under Envoy's 64 KiB default per streamed message
 FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+NO_BODY = 0  # ProcessingMode.BodySendMode.NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +85,9 @@ class ExtProcLimits:
     """Nesting of a JSON body; deeper: 400 (the gateway's ``http.max_json_depth``)."""
 
     @property
-    def grpc_options(self) -> list[tuple[str, int]]:
+    def max_message_bytes(self) -> int:
         """A buffered body arrives as one message: let it through so that the 413 is ours."""
-        return [("grpc.max_receive_message_length", self.max_body_bytes + (1 << 20))]
+        return self.max_body_bytes + (1 << 20)
 
 
 @dataclass(slots=True)
@@ -101,6 +105,8 @@ class _Exchange:
     finished: bool = False
     duplex_request: bool = True
     duplex_response: bool = True
+    response_body: bool = True
+    """Envoy sends the answer's body; without it (``NONE``) the stream's end is the answer's."""
     refused: bool = False
     """Answered with an error: whatever Envoy still sends is ignored."""
 
@@ -176,7 +182,12 @@ def priority(headers: Mapping[str, str]) -> int:
     return header_priority(headers)
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class ExternalProcessor:
+    """The ext_proc method: one HTTP request's exchange with Envoy, message by message."""
+
     def __init__(self, router: Router, limits: ExtProcLimits | None = None) -> None:
         self.router = router
         self.limits = limits or ExtProcLimits()
@@ -185,7 +196,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """Body bytes buffered across all streams."""
 
     async def Process(  # noqa: N802 - the gRPC method name
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest]
     ) -> AsyncIterator[pb.ProcessingResponse]:
         ex = _Exchange()
         over_limit = self.streams >= self.limits.max_streams
@@ -211,6 +222,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if msg.HasField("protocol_config"):
             ex.duplex_request = msg.protocol_config.request_body_mode == FULL_DUPLEX
             ex.duplex_response = msg.protocol_config.response_body_mode == FULL_DUPLEX
+            ex.response_body = msg.protocol_config.response_body_mode != NO_BODY
         if kind == "request_headers":
             ex.headers = header_map(msg.request_headers)
             strip_client_routing(ex.headers, self.limits.allow_client_headers)
@@ -237,6 +249,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.status = int(headers.get(":status", "0") or 0)
             ex.streamed = headers.get("content-type", "").startswith("text/event-stream")
             self._answered(ex)
+            if not ex.response_body and not ex.streamed and ex.flight is not None and ex.status < 500:
+                ex.flight.first_token(observe=False)  # a whole answer: its headers come with it
             picked = ex.flight.result.targets[0].id if ex.flight is not None else None
             set_headers = [_set(PICKED_RESPONSE_HEADER, picked)] if picked is not None else []
             common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
@@ -332,25 +346,28 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _finish(self, ex: _Exchange) -> None:
         if ex.flight is not None and not ex.finished:
             ex.finished = True
+            if not ex.response_body and 0 < ex.status < 500:  # a stream Envoy relayed itself ended
+                ex.flight.first_token(observe=False)
             ex.flight.finish()
 
 
 async def serve(router: Router, host: str, port: int, limits: ExtProcLimits | None = None,
-                credentials: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+                ssl_context: ssl.SSLContext | None = None) -> GrpcServer:
     """Start the ext_proc gRPC server (with gRPC health) and return it; the caller stops it.
 
-    ``credentials`` makes the port TLS (``kvflow.router.epp.server_credentials``); None is
-    plaintext.
+    ``ssl_context`` makes the port TLS (``kvflow.router.epp.server_ssl_context``); None is
+    plaintext. The server is ``kvflow.router.grpc_h2``'s, not grpcio's: see there why.
     """
-    from kvflow.router.epp import add_health
+    from kvflow.router.epp import health_methods
 
     limits = limits or ExtProcLimits()
-    server = grpc.aio.server(options=limits.grpc_options)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router, limits), server)
-    await add_health(server)
-    address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot bind the ext_proc server to {host}:{port}")
-    await server.start()
+    processor = ExternalProcessor(router, limits)
+    methods = {PROCESS_PATH: Method(pb.ProcessingRequest, lambda requests: processor.Process(requests)),
+               **health_methods()}
+    server = GrpcServer(methods, max_message=limits.max_message_bytes, max_streams=2 * limits.max_streams,
+                        ssl_context=ssl_context)
+    try:
+        await server.start(host, port)
+    except OSError as exc:
+        raise OSError(f"cannot bind the ext_proc server to {host}:{port}: {exc.strerror or exc}") from None
     return server
