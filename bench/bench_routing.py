@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -64,8 +65,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a: shared prefix, b: Zipf tenants, c: multi-turn, d: shared prefix with P/D, "
                         "e / e-cpu: tiered prefix (more than GPU KV) without / with a CPU tier (default: a-d)")
     p.add_argument("--routers", nargs="+", default=list(routers.DEFAULT_ROUTERS),
-                   help="kvflow[:PROFILE], kvflow-envoy[:PROFILE] (the router as ext_proc behind Envoy), either "
-                        "with :no-events (pods that publish no KV events) and :xN (N replicas), "
+                   help="kvflow[:PROFILE], kvflow-envoy[:PROFILE][:lean] (the router as ext_proc behind Envoy; lean: answers' "
+                        "bodies bypass the picker), either with :no-events (pods that publish no KV events) and :xN (N replicas), "
                         "sglang:cache_aware|round_robin, vllm-router:cache_aware|round_robin|kv_aware, "
                         "oracle (the oracle's placements sent straight to the pods; default: %(default)s)")
     p.add_argument("--replicas", nargs="+", type=int, default=[1], metavar="N",
@@ -127,8 +128,8 @@ def replica_lines(rows: list[report.Row], rate: float, decisions: dict[str, dict
             continue
         if spec.replicas == 1:
             continue
-        ones = [routers.RouterSpec(spec.kind, spec.policy, 1, kv_events).name for kv_events in dict.fromkeys(
-            (spec.kv_events, True))]
+        ones = [dataclasses.replace(spec, replicas=1, kv_events=kv_events, peers=True).name
+                for kv_events in dict.fromkeys((spec.kv_events, True))]
         for one in (at[n] for n in ones if n in at):
             mean, p90 = row.ttft_mean_ms / one.ttft_mean_ms, row.ttft_p90_ms / one.ttft_p90_ms
             hit = (row.hit_rate - one.hit_rate) * 100

