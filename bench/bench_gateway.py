@@ -15,6 +15,12 @@ slowloris, pipelining, CL+TE smuggling, deep JSON, bad UTF-8).
 * ``kvflow-tuned`` is tuned for this benchmark: ``round-robin``, health scrapes once a second
   (round-robin reads no metrics), no KV-event subscription, no access log (the peers log at warn);
   ``kvflow-tuned-2w`` the same with ``--workers 2`` (as the Rust peers run two worker threads);
+* ``kvflow-envoy`` is kvflow's endpoint picker behind a real Envoy 1.40 (``kvflow router`` as its
+  ext_proc server, the bootstrap ``kvflow.router.envoy_config`` renders), every answer's body
+  streamed through the picker (``FULL_DUPLEX_STREAMED``, as the Inference Extension's gateways
+  configure it); ``kvflow-envoy-lean`` the same with ``response_bodies=False`` (Envoy relays
+  answers itself and ends the ext_proc stream when one ends). Their CPU is Envoy's and the
+  picker's together; the picker runs the default profile, as the ``kvflow`` row;
 * the peers use round-robin;
 * ``--layers`` adds the tuned gateway on uvicorn (ASGI) and granian (RSGI) instead of kvflow's
   server, and with aiohttp or pyreqwest instead of kvflow's upstream client
@@ -48,6 +54,8 @@ from pathlib import Path
 import aiohttp
 
 from kvflow.local.procs import ProcessGroup, kvflow_argv
+from kvflow.endpoints import Endpoint
+from kvflow.router.envoy_config import Listener, envoy_binary, render
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from edge_attacks import run_attacks  # noqa: E402 - a sibling module of this script
@@ -198,22 +206,26 @@ async def stream_load(hosts: list[str], streams: int, seconds: float) -> Streame
     return got
 
 
-def measure(name: str, url: str, hosts: list[str], pid: int | None, args: argparse.Namespace,
+def measure(name: str, url: str, hosts: list[str], pids: list[int], args: argparse.Namespace,
             warm: bool = False) -> Row:
+    """``pids``: the router's processes (Envoy and its picker: both), whose CPU the row counts."""
+    def cpu() -> float:
+        return sum(cpu_seconds(pid) for pid in pids)
+
     time.sleep(1.0)  # let the pods finish what the previous run's 64 connections left behind
     if warm:
         wrk(url, hosts, connections=8, seconds=1)  # open connections, fill caches
     c1 = wrk(url, hosts, connections=1, seconds=args.latency_seconds)
-    before = cpu_seconds(pid) if pid else 0.0
+    before = cpu()
     c64 = wrk(url, hosts, connections=args.connections, seconds=args.seconds)
-    cpu = (cpu_seconds(pid) - before) / c64["requests"] * 1e6 if pid and c64["requests"] else None
-    row = Row(name, c1["p50"], c1["p99"], c64["rps"], c64["p50"], cpu, int(c1["errors"] + c64["errors"]))
+    per_request = (cpu() - before) / c64["requests"] * 1e6 if pids and c64["requests"] else None
+    row = Row(name, c1["p50"], c1["p99"], c64["rps"], c64["p50"], per_request, int(c1["errors"] + c64["errors"]))
     if args.streams and args.stream_seconds > 0:
         time.sleep(1.0)
-        before = cpu_seconds(pid) if pid else 0.0
+        before = cpu()
         streamed = asyncio.run(stream_load(hosts, args.streams, args.stream_seconds))
-        if pid and streamed.tokens:
-            row.stream_cpu_us_per_token = (cpu_seconds(pid) - before) / streamed.tokens * 1e6
+        if pids and streamed.tokens:
+            row.stream_cpu_us_per_token = (cpu() - before) / streamed.tokens * 1e6
         row.stream_tokens_s = streamed.tokens / args.stream_seconds
         if streamed.gaps:
             gaps = statistics.quantiles(streamed.gaps, n=100)
@@ -229,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="throughput run per target and round")
     p.add_argument("--latency-seconds", type=float, default=2.0, help="one-connection run per target and round")
     p.add_argument("--only", nargs="*", default=None,
-                   help="targets: direct kvflow kvflow-tuned kvflow-tuned-2w sglang-router vllm-router "
+                   help="targets: direct kvflow kvflow-tuned kvflow-tuned-2w kvflow-envoy kvflow-envoy-lean "
+                        "sglang-router vllm-router "
                         "(and with --layers: uvicorn+own granian+own own+aiohttp own+pyreqwest)")
     p.add_argument("--layers", action="store_true", help="also the gateway on other HTTP servers and clients")
     p.add_argument("--no-attacks", action="store_true", help="skip the attack suite")
@@ -241,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("wrk") is None:
         print("bench_gateway needs wrk (apt-get install wrk)", file=sys.stderr)
         return 2
-    wanted = args.only or ["direct", "kvflow", "kvflow-tuned", "kvflow-tuned-2w", "sglang-router", "vllm-router",
-                           *(LAYERS if args.layers else [])]
+    wanted = args.only or ["direct", "kvflow", "kvflow-tuned", "kvflow-tuned-2w", *ENVOYS, "sglang-router",
+                           "vllm-router", *(LAYERS if args.layers else [])]
     peers = ensure_peers() if {"sglang-router", "vllm-router"} & set(wanted) else None
     pods = [f"127.0.0.{i + 2}:{free_port(f'127.0.0.{i + 2}')}" for i in range(args.pods)]
     urls = [f"http://{h}" for h in pods]
     ports = {name: free_port("127.0.0.1") for name in ("kvflow", "kvflow-tuned", "kvflow-tuned-2w", "sglang-router",
-                                                       "vllm-router", "p1", "p2", *LAYERS)}
+                                                       "vllm-router", "p1", "p2", *LAYERS, *ENVOYS)}
     with ProcessGroup(ROOT / ".kvflow" / "bench-gateway-logs") as group:
         for i, pod in enumerate(pods):
             host, port = pod.rsplit(":", 1)
@@ -284,16 +297,22 @@ def main(argv: list[str] | None = None) -> int:
                              "--prometheus-port", str(ports["p2"]), "--max-concurrent-requests", "100000"],
                             ports["vllm-router"]) if peers else None,
         }
-        targets: dict[str, tuple[str, list[str], int | None]] = {}
+        targets: dict[str, tuple[str, list[str], list[int]]] = {}
         for name in wanted:  # every router runs for the whole benchmark; an idle one costs ~nothing
             if name == "direct":
-                targets[name] = (urls[0] + "/v1/completions", pods, None)
+                targets[name] = (urls[0] + "/v1/completions", pods, [])
+                continue
+            if name in ENVOYS:
+                started = start_envoy(group, name, ports[name], pods, response_bodies=name == "kvflow-envoy")
+                targets[name] = (f"http://127.0.0.1:{ports[name]}/v1/completions", [f"127.0.0.1:{ports[name]}"],
+                                 started)
                 continue
             spec = routers[name]
             assert spec is not None
             child = group.start(name, spec[0], ready_url=f"http://127.0.0.1:{spec[1]}/health")
             group.wait_ready(120, [child])
-            targets[name] = (f"http://127.0.0.1:{spec[1]}/v1/completions", [f"127.0.0.1:{spec[1]}"], child.popen.pid)
+            targets[name] = (f"http://127.0.0.1:{spec[1]}/v1/completions", [f"127.0.0.1:{spec[1]}"],
+                             [child.popen.pid])
         runs: dict[str, list[Row]] = {name: [] for name in wanted}
         for round_ in range(args.rounds):  # interleaved, in a rotating order, against background noise
             order = wanted[round_ % len(wanted):] + wanted[: round_ % len(wanted)]
@@ -312,6 +331,30 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gateway.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return 0
+
+
+ENVOYS = ["kvflow-envoy", "kvflow-envoy-lean"]
+"""kvflow's picker behind Envoy: every answer through the picker, or (lean) past it."""
+
+
+def start_envoy(group: ProcessGroup, name: str, port: int, pods: list[str], *, response_bodies: bool) -> list[int]:
+    """``kvflow router`` (ext_proc, default profile, plaintext on loopback) and an Envoy on
+    127.0.0.1:``port`` asking it for each request's pod; their pids."""
+    config = group.log_dir / f"{name}-router.json"
+    config.write_text(json.dumps({"pool": {"endpoints": [{"address": pod, "models": [MODEL]} for pod in pods]}}))
+    grpc_port, metrics, admin = (free_port("127.0.0.1") for _ in range(3))
+    picker = group.start(f"{name}-router", kvflow_argv(
+        "router", "--config", str(config), "--port", str(grpc_port), "--metrics-port", str(metrics),
+        "--grpc-health-port", "0", "--no-secure-serving", "--model", MODEL, "--log-level", "WARNING"),
+        ready_url=f"http://127.0.0.1:{metrics}/healthz")
+    endpoints = [Endpoint(host, int(p)) for host, p in (pod.rsplit(":", 1) for pod in pods)]
+    bootstrap = group.log_dir / f"{name}.json"
+    bootstrap.write_text(json.dumps(render([Listener("127.0.0.1", port, response_bodies=response_bodies)],
+                                           ("127.0.0.1", grpc_port), endpoints, admin=("127.0.0.1", admin))))
+    envoy = group.start(name, [str(envoy_binary()), "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
+                        ready_url=f"http://127.0.0.1:{admin}/ready")
+    group.wait_ready(120, [picker, envoy])
+    return [picker.popen.pid, envoy.popen.pid]
 
 
 def median_row(name: str, runs: list[Row]) -> Row:

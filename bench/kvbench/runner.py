@@ -156,9 +156,11 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Seque
         await podlib.wait_idle(session, fleet)
         await podlib.reset(session, fleet)
         before = await podlib.counters(session, fleet)
-        cpu0, t0 = sum(map(proc_cpu_seconds, pids)), time.monotonic()
+        cpu0, t0 = [proc_cpu_seconds(pid) for pid in pids], time.monotonic()
         run = await loadgen.run(url, trace, model=podlib.MODEL)
-        router_cpu = (sum(map(proc_cpu_seconds, pids)) - cpu0) / (time.monotonic() - t0) if pids else math.nan
+        elapsed = time.monotonic() - t0
+        shares = [(proc_cpu_seconds(pid) - c) / elapsed for pid, c in zip(pids, cpu0, strict=True)]
+        router_cpu = sum(shares) if pids else math.nan
         load_avg = os.getloadavg()[0]
         if not await podlib.wait_idle(session, fleet):
             log(opts, f"  warning: pods still busy 60 s after {spec.name}'s run; its counters may miss requests")
@@ -171,6 +173,8 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Seque
     log(opts, f"  {spec.name} @ {trace.rate:g} req/s: TTFT mean {row.ttft_mean_ms:.0f} ms p90 {row.ttft_p90_ms:.0f} "
               f"hit {row.hit_rate:.2f} balance {row.balance:.2f} errors {row.errors}"
               + (f" (first: {errs[0]})" if errs else ""))
+    if len(shares) > 1:  # which of the router's processes used it: pickers, then Envoy
+        log(opts, f"  {spec.name} CPU per process, in start order: {', '.join(f'{s:.0%}' for s in shares)}")
     return row
 
 
