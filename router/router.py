@@ -54,10 +54,23 @@ PREHASH_TOKENS = 32_768
 
 
 def _matches(cycle: Cycle) -> Mapping[EndpointId, int]:
+    """Leading blocks of the prompt each pod holds, as the decision believed: what its flight
+    counts as not to compute there. Blocks a pod's CPU tier would load back count too: the
+    load runs beside the engine's steps (vLLM's asynchronous ``load_kv_async``), so it is no
+    prefill work the requests sent after it wait behind (the request's own reload is in its
+    TTFT estimate). Counted as work, each tier hit queued its whole reloaded prefix, an
+    offloading pod's queue looked many times longer than it was, and the router spread
+    prefixes over pods to escape queues that were not there."""
     for kind in ("precise", "approx"):
         found = cycle.data.get(f"prefix:{kind}")
         if found is not None:
-            return found
+            offloaded = cycle.data.get("prefix:offloaded")
+            if not offloaded:
+                return found
+            both = dict(found)
+            for eid, blocks in offloaded.items():
+                both[eid] = both.get(eid, 0) + blocks
+            return both
     return {}
 
 

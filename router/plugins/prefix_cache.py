@@ -66,12 +66,17 @@ def offloaded_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[Endp
     """Per candidate, the blocks after its GPU match (``found``, default ``precise_matches``)
     that its CPU offload tier holds (``PrefixIndex.cpu``, from the pods' medium-``CPU`` events):
     what it would load back instead of computing. A GPU match cut by predicted eviction is
-    continued here too: an offloading pod wrote those blocks to CPU when it computed them."""
+    continued here too: an offloading pod wrote those blocks to CPU when it computed them.
+    Also left in ``cycle.data["prefix:offloaded"]`` (every call's pods together, as a P/D
+    decision reads decode and prefill pods): the pick's flight queues only the tokens its pod
+    computes (``Router``), since a load from the CPU tier runs beside the engine's steps."""
     cpu = ctx.precise.cpu
     if not cycle.hashes.num_blocks or not len(cpu):
         return {}
     gpu = precise_matches(cycle, ctx, endpoints) if found is None else found
-    return cpu.continued(cycle.hashes.array, gpu, map(_id, endpoints))
+    offloaded = cpu.continued(cycle.hashes.array, gpu, map(_id, endpoints))
+    cycle.data.setdefault("prefix:offloaded", {}).update(offloaded)
+    return offloaded
 
 
 def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[EndpointId, LoadCounter]) -> None:

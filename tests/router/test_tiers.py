@@ -157,3 +157,30 @@ def test_an_unknown_medium_is_refused_only_when_malformed() -> None:
     payload = msgspec.msgpack.encode([0.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": 7}]])
     with pytest.raises(ValueError, match="medium"):
         decode_runs(payload)
+
+
+# -- what a request the tier serves leaves in its pod's queue --------------------------------
+
+
+def test_a_request_the_cpu_tier_serves_queues_only_the_tokens_its_pod_computes() -> None:
+    # vLLM loads a CPU hit back beside the engine's steps (load_kv_async): the requests sent
+    # after it wait behind the tokens it computes, not behind the ones it reloads
+    from kvflow.router import Router, load_config
+
+    home, other = Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)
+    router = Router(load_config({"kvEvents": {"enabled": False}}), [home, other], clock=lambda: 0.0)
+    prompt = list(range(2000, 2520))  # 32 full blocks and 8 tokens
+    hashes = tuple(range(1, 33))
+    events = [BlockStored(hashes, None, 16, tuple(prompt[:512])), BlockStored(hashes, None, 16, (), medium="CPU"),
+              BlockRemoved(hashes[10:])]  # the GPU keeps the first 10 blocks, the CPU tier all 32
+    assert apply(router.precise, home.id, events, router.speculative) == 0
+    router.event_sources.update({home.id, other.id})
+
+    flight = router.decide(SchedulingRequest("r", "m", prompt))
+    flight.send(flight.result.targets[0])
+
+    assert flight.result.targets[0] == home
+    assert flight.result.cached_tokens == 10 * 16  # the GPU hit: what vLLM counts as cached
+    counter = router.datastore.counter(home.id)
+    assert counter is not None and counter.sent_work == len(prompt) - 32 * 16  # computed: 8 tokens
+    assert counter.queued(0.0) == 8
