@@ -1,14 +1,23 @@
-"""Keep endpoints under their queue and KV-cache limits; when none is, shed only what may be shed.
+"""Keep endpoints under their queue limit, and sheddable requests off full KV caches; when no
+endpoint is left, shed only what may be shed.
 
 Like the Inference Extension's saturation detector: the pool is saturated when every pod is over
 its limits, and then a sheddable request (priority below 0: batch lines, or what an API key or
 the priority header marks so) is told to retry later (429), since adding it only grows queues.
 Any other request is still sent, among every pod, and queues on the model server, as vLLM queues
 what it cannot run yet: refusing it would lose a request the pool will serve in a moment.
-"""
 
+A full KV cache (``kvCacheLimit``) moves only sheddable requests. Under load a pod's cache fills
+with the prompts it is running, and the pods that fill first are the homes of the busiest
+prefixes: dropping them sent each of their requests where its prefix was not, to compute it
+again (and evict another's), so past the knee the router kept the load even and lost its hits.
+A request on a full pod waits in its queue, which the TTFT scorer prices; the KV-cache scorer
+still prefers free KV among pods that price alike. The queue limit still filters every request:
+a pod that far behind is no home for anything.
+"""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pydantic import Field
@@ -40,7 +49,9 @@ class SaturationFilter:
     def filter(self, cycle: Cycle, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         # ``saturated`` inlined, with queue and KV use from the pods' load numbers: for a few pods
         # one by one, for many from their columns at once
-        queue_limit, kv_limit = self.p.queue_limit, self.p.kv_limit
+        queue_limit = self.p.queue_limit
+        # A full KV cache moves only a sheddable request (see the module's docstring).
+        kv_limit = self.p.kv_limit if cycle.request.priority < 0 else math.inf
         if len(endpoints) < VECTOR_MIN:
             kept = [ep for ep, c in zip(endpoints, cycle.numbers(endpoints))
                     if c.prefilling + c.foreign_waiting <= queue_limit and c.kv_base + c.tokens * c.kv_per_token < kv_limit]

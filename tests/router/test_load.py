@@ -100,12 +100,12 @@ def test_columns_are_the_candidates_numbers_in_their_order_and_a_subset_keeps_th
 
 def test_a_filter_that_narrows_the_candidates_hands_the_scorers_their_loads() -> None:
     board = LoadBoard()
-    full = LoadCounter(board=board, kv_base=1.0)  # its KV cache is full: the saturation filter drops it
+    full = LoadCounter(board=board, kv_base=1.0)  # its KV cache is full: the filter drops it for a sheddable request
     idle = [LoadCounter(i % 3, board=board) for i in range(VECTOR_MIN)]  # enough pods to be filtered on columns
     candidates = views([full, *idle])
     ctx = PluginContext(ApproxPrefixIndex(), PrefixIndex(), None, set(), 256)
     saturation = build("saturation", "saturation-filter", {}, ctx)[1]
-    cycle = Cycle(SchedulingRequest("r", "m", [1] * 64), PrefixIndex().fingerprinter.prompt([1] * 64),
+    cycle = Cycle(SchedulingRequest("r", "m", [1] * 64, priority=-1), PrefixIndex().fingerprinter.prompt([1] * 64),
                   0, 16, board=board)
     kept = saturation.filter(cycle, candidates)
     assert [ep.counter for ep in kept] == idle

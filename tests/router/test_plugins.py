@@ -78,7 +78,13 @@ def test_min_max_inverse() -> None:
             {},
             ["3"],
         ),
-        ("saturation-filter", {"kvCacheLimit": 0.9}, [view(2, kv_usage=0.95), view(3, kv_usage=0.5)], {}, ["3"]),
+        (
+            "saturation-filter",
+            {"kvCacheLimit": 0.9},
+            [view(2, kv_usage=0.95), view(3, kv_usage=0.5)],
+            {"priority": -1},
+            ["3"],
+        ),
     ],
     ids=["healthy", "role-decode", "role-prefill", "model", "lora-listed", "lora-unlisted", "queue-limit", "kv-limit"],
 )
@@ -105,6 +111,19 @@ def test_saturation_sheds_a_sheddable_request_when_every_pod_is_over() -> None:
     with pytest.raises(RateLimitError) as info:
         plugin("saturation-filter", queueLimit=1, retryAfterSeconds=2).filter(cycle(priority=-1), [view(2, waiting=3)])
     assert info.value.status == 429 and info.value.headers() == {"Retry-After": "2"}
+
+
+def test_a_full_kv_cache_moves_only_a_sheddable_request() -> None:
+    # a pod's cache fills with what it runs, the homes of the busiest prefixes first: a request
+    # that may not be shed waits there (the TTFT scorer prices its queue) rather than computing
+    # its prefix again elsewhere; a sheddable one goes where there is room, and is shed when none is
+    sat = plugin("saturation-filter")
+    pods = [view(2, kv_usage=0.995), view(3, kv_usage=0.5)]
+    assert ids(sat.filter(cycle(), pods)) == ["2", "3"]
+    assert ids(sat.filter(cycle(priority=-1), pods)) == ["3"]
+    with pytest.raises(RateLimitError):
+        sat.filter(cycle(priority=-1), pods[:1])
+    assert ids(plugin("saturation-filter", queueLimit=1).filter(cycle(), [view(2, waiting=3), view(3)])) == ["3"]
 
 
 def test_a_saturated_pool_still_takes_requests_that_may_not_be_shed() -> None:
