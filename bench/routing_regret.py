@@ -39,8 +39,10 @@ def main() -> None:
     trace = workload.trace(args.rate, args.duration, args.seed)
     profile = get_profile("h100-llama8b")
     policy = RegretReplay(workload.decode_pods, workload.num_blocks, weight=args.weight, secret=secret(args.secret))
-    result = oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile, num_blocks=workload.num_blocks)
-    best, weight = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile, num_blocks=workload.num_blocks)
+    result = oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile, num_blocks=workload.num_blocks,
+                           cpu_blocks=workload.cpu_blocks)
+    best, weight = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile, num_blocks=workload.num_blocks,
+                                        cpu_blocks=workload.cpu_blocks)
     kvflow_ms = statistics.fmean(t for t in result.ttft if t == t) * 1e3
     oracle_ms = statistics.fmean(t for t in best.ttft if t == t) * 1e3
     print(f"({args.workload}) seed {args.seed}, {args.rate:g} req/s: kvflow default (replay) {kvflow_ms:.1f} ms mean TTFT, "

@@ -58,7 +58,8 @@ class Decision:
     """Prompt tokens each pod really held (or was about to: the prefixes queued there)."""
     believed: tuple[int, ...]
     """Prompt tokens kvflow believed each pod held: its KV-event index, and the prefixes it sent
-    there that no event has confirmed yet."""
+    there that no event has confirmed yet, continued by the pod's CPU tier (``cached`` counts a
+    CPU-tier hit too)."""
     indexed: tuple[int, ...]
     """Leading blocks the KV-event index alone gave each pod."""
     held: tuple[int, ...]
@@ -170,7 +171,8 @@ class RegretReplay(KvflowReplay):
         kept = tuple(self._kept(eid, fingerprints.array[:n]) if n else 0 for eid, n in zip(ids, indexed))
         self.router.speculative.expire(now)
         self.router.speculative.extend(matched, fingerprints.all())  # as the precise scorer reads it
-        believed = tuple(min(matched.get(eid, 0), len(blocks)) * HASH.block_size for eid in ids)
+        reloaded = self.router.precise.cpu.continued(fingerprints.array, matched, ids)  # a CPU tier's, after the GPU's
+        believed = tuple(min(matched.get(eid, 0) + reloaded.get(eid, 0), len(blocks)) * HASH.block_size for eid in ids)
         held = tuple(len(pod.scheduler.pool.longest_hit(blocks)) for pod in pods)
         pick = super().pick(prepared, pods, now, profile)
         if pick is None:
