@@ -167,14 +167,15 @@ def main() -> None:
     else:
         cases, rates = [WORKLOADS[name] for name in args.workloads], tuple(args.rates or ())
     policy = {"replicas": args.replicas, "peers": not args.no_peers, "events": not args.no_events}
-    rows = [(w, row) for w in cases for row in replayed(w, args.seeds, args.secrets, args.lag, args.duration, rates,
-                                                         **policy)]
     print("| workload | rate | mean | sd | min | max |\n|---|---:|---:|---:|---:|---:|")
-    for w, row in rows:
-        r = row.ratios
-        sd = statistics.stdev(r) if len(r) > 1 else 0.0
-        rate = row.label()
-        print(f"| ({w.name}) | {rate} | {statistics.fmean(r):.3f} | {sd:.3f} | {min(r):.3f} | {max(r):.3f} |")
+    rows: list[tuple[Workload, Replayed]] = []
+    for w in cases:  # each workload's rows as soon as its replays are done
+        for row in replayed(w, args.seeds, args.secrets, args.lag, args.duration, rates, **policy):
+            rows.append((w, row))
+            r = row.ratios
+            sd = statistics.stdev(r) if len(r) > 1 else 0.0
+            print(f"| ({w.name}) | {row.label()} | {statistics.fmean(r):.3f} | {sd:.3f} | {min(r):.3f} | {max(r):.3f} |",
+                  flush=True)
     if args.figures or rates:
         print(f"\nmean over seeds (kvflow: and keys); TTFT mean / p90 in ms, hit rate: GPU / CPU-tier reloads\n"
               f"| workload | rate | {name} TTFT | hit | balance | oracle (replay) TTFT | hit | balance |\n"
