@@ -135,8 +135,9 @@ def routing_response(result: SchedulingResult, *, on_body: bool = False) -> pb.P
     removed = sorted(NEVER_FROM_CLIENTS - {h.header.key for h in set_headers})  # whatever a client slipped in
     mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=removed)
     common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-    metadata = struct_pb2.Struct()
-    metadata.update({LB_METADATA_NAMESPACE: {DESTINATION_HEADER: ",".join(t.id for t in result.targets)}})
+    metadata = struct_pb2.Struct()  # fields set directly: Struct.update walks Python values generically
+    metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = ",".join(
+        t.id for t in result.targets)
     if on_body:
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)

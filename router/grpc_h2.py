@@ -247,6 +247,8 @@ class _Connection(asyncio.Protocol):
         self.peer_frame = DEFAULT_FRAME
         self.received = 0
         self.going_away = False
+        self.out = bytearray()
+        """Frames written this turn of the event loop, sent at its end."""
         self.closed = asyncio.get_running_loop().create_future()
 
     # the transport's callbacks
@@ -550,7 +552,16 @@ class _Connection(asyncio.Protocol):
     # the connection
 
     def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        """Queue ``data`` for the transport: what one turn of the event loop writes (every
+        frame of every call it advanced) goes out in one write at the turn's end, where a write
+        each would be a system call each (a fifth of the picker's CPU, measured)."""
+        if not self.out:
+            asyncio.get_running_loop().call_soon(self._send_out)
+        self.out += data
+
+    def _send_out(self) -> None:
+        data, self.out = self.out, bytearray()
+        if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
     def go_away(self) -> None:
@@ -564,11 +575,13 @@ class _Connection(asyncio.Protocol):
         log.warning("gRPC connection closed: %s", why)
         self._write(_frame(GOAWAY, 0, 0, self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big")
                            + why.encode()[:200]))
+        self._send_out()
         if self.transport is not None:
             self.transport.close()
 
     def _close_if_idle(self) -> None:
         if self.going_away and not self.streams and self.transport is not None:
+            self._send_out()
             self.transport.close()
 
     def abort(self) -> None:
