@@ -103,7 +103,9 @@ class KvEventsSpec(_Strict):
     """Count a prefix's blocks as gone from a pod once a cacheful of other blocks was sent there
     after them (the pod's cache is LRU, and frees a request's last block first), before the pod's
     ``BlockRemoved`` says so (``WorkingSet.surviving``).
-    Turn it off for pods that offload KV to a CPU tier: they still hold what their GPU cache evicted."""
+    On pods that offload KV to vLLM's native CPU tier, a match it cuts goes on as that tier's
+    (``prefix_cache.offloaded_matches``); turn it off for pods that offload with LMCache, whose
+    tier sends no events the router reads."""
     data_parallel_size: int = Field(default=1, alias="dataParallelSize", ge=1, le=64)
     """Data-parallel ranks per pod: vLLM publishes each rank's events on ``port + rank``."""
 

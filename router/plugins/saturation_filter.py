@@ -15,6 +15,7 @@ A request on a full pod waits in its queue, which the TTFT scorer prices; the KV
 still prefers free KV among pods that price alike. The queue limit still filters every request:
 a pod that far behind is no home for anything.
 """
+
 from __future__ import annotations
 
 import math
