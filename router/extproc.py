@@ -146,13 +146,16 @@ def routing_response(result: SchedulingResult, *, on_body: bool = False) -> pb.P
 def body_responses(body: bytes, *, request: bool) -> list[pb.ProcessingResponse]:
     """``body`` streamed back to Envoy unchanged, in chunks under its message limit."""
     chunks = [body[i : i + CHUNK] for i in range(0, len(body), CHUNK)] or [b""]
-    out = []
-    for i, chunk in enumerate(chunks):
-        mutation = pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == len(chunks) - 1)
-        )
-        resp = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-        out.append(pb.ProcessingResponse(request_body=resp) if request else pb.ProcessingResponse(response_body=resp))
+    return [echo(chunk, i == len(chunks) - 1, request=request) for i, chunk in enumerate(chunks)]
+
+
+def echo(chunk: bytes, end: bool, *, request: bool) -> pb.ProcessingResponse:
+    """One body chunk streamed back unchanged. Built in place: nested constructors copy each
+    submessage into its parent (three times the cost, once per streamed token)."""
+    out = pb.ProcessingResponse()
+    streamed = (out.request_body if request else out.response_body).response.body_mutation.streamed_response
+    streamed.body = chunk
+    streamed.end_of_stream = end
     return out
 
 
@@ -209,6 +212,9 @@ class ExternalProcessor:
                     yield error_response(NoCapacityError(
                         "the endpoint picker is at its limit of concurrent requests; retry later", retry_after=1.0))
                     continue
+                if msg.HasField("response_body") and not ex.refused:  # the most frequent: each token
+                    yield self._response_body(ex, msg.response_body)
+                    continue
                 for resp in await self._handle(ex, msg):
                     yield resp
         finally:
@@ -259,25 +265,24 @@ class ExternalProcessor:
                 self._finish(ex)
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
         if kind == "response_body":
-            body = msg.response_body
-            end = body.end_of_stream or body.end_of_stream_without_message
-            if ex.flight is not None and ex.status < 500 and (body.body or end):
-                # a stream's first event comes with its first token; a whole answer, at its end
-                ex.flight.first_token(observe=ex.streamed)
-            if end:
-                self._finish(ex)
-            if not ex.duplex_response:
-                return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
-            mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body.body, end_of_stream=end))
-            return [
-                pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation)))
-            ]
+            return [self._response_body(ex, msg.response_body)]
         if kind == "request_trailers":
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_trailers":
             self._finish(ex)
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
+
+    def _response_body(self, ex: _Exchange, body: pb.HttpBody) -> pb.ProcessingResponse:
+        end = body.end_of_stream or body.end_of_stream_without_message
+        if ex.flight is not None and ex.status < 500 and (body.body or end):
+            # a stream's first event comes with its first token; a whole answer, at its end
+            ex.flight.first_token(observe=ex.streamed)
+        if end:
+            self._finish(ex)
+        if not ex.duplex_response:
+            return pb.ProcessingResponse(response_body=pb.BodyResponse())
+        return echo(body.body, end, request=False)
 
     def _admit(self, ex: _Exchange, size: int) -> bool:
         """Hold ``size`` bytes of the budget for ``ex``'s body; False (and the request refused)
