@@ -129,10 +129,17 @@ async def test_a_connection_that_is_not_http2_is_closed(server: GrpcServer) -> N
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
     await writer.drain()
-    data = await asyncio.wait_for(reader.read(), 10)  # the server's SETTINGS, a GOAWAY, then EOF
-    assert data[3] == 4  # a SETTINGS frame first, as every HTTP/2 server sends
-    assert b"\x07" in data[9:]  # then a GOAWAY
+    data = await asyncio.wait_for(reader.read(), 10)  # everything until the server closes
     writer.close()
+    kinds, codes = [], []
+    while len(data) >= 9:  # HTTP/2 frames: 3 bytes of length, a type, flags, a stream id
+        length, kind = int.from_bytes(data[:3], "big"), data[3]
+        kinds.append(kind)
+        if kind == 7:  # GOAWAY: last stream id, then the error code
+            codes.append(int.from_bytes(data[13:17], "big"))
+        data = data[9 + length:]
+    assert kinds[0] == 4 and 7 in kinds  # its SETTINGS, as every HTTP/2 server opens, then a GOAWAY
+    assert codes == [1]  # PROTOCOL_ERROR
 
 
 async def test_stopping_lets_a_call_in_flight_finish(server: GrpcServer, channel: grpc.aio.Channel) -> None:
