@@ -82,8 +82,9 @@ class Listener:
     sees the request and the answer's headers only (``response_body_mode: NONE``); Envoy relays
     the body itself and ends the ext_proc stream when the answer ends, which is how the picker
     hears of it. Cheaper, but the picker no longer sees a streamed answer's first token (vLLM
-    sends a stream's headers before its prefill), so it learns no prefill speed and counts a
-    streamed request's prefill as queued until the pods' clock drains it or the answer ends."""
+    sends a stream's headers before its prefill), so it learns no prefill speed from a stream,
+    and a stream's prefill stays in the pod's modelled queue until that queue drains it at the
+    pod's rate or the answer ends."""
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
