@@ -53,12 +53,13 @@ from pathlib import Path
 
 import aiohttp
 
-from kvflow.local.procs import ProcessGroup, kvflow_argv
 from kvflow.endpoints import Endpoint
-from kvflow.router.envoy_config import Listener, envoy_binary, render
+from kvflow.local.procs import ProcessGroup, kvflow_argv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from edge_attacks import run_attacks  # noqa: E402 - a sibling module of this script
+from kvbench.pods import Pod  # noqa: E402
+from kvbench.routers import ENVOY, RouterSpec, envoy_stack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".kvflow" / "peers" / "venv"
@@ -338,23 +339,14 @@ ENVOYS = ["kvflow-envoy", "kvflow-envoy-lean"]
 
 
 def start_envoy(group: ProcessGroup, name: str, port: int, pods: list[str], *, response_bodies: bool) -> list[int]:
-    """``kvflow router`` (ext_proc, default profile, plaintext on loopback) and an Envoy on
-    127.0.0.1:``port`` asking it for each request's pod; their pids."""
-    config = group.log_dir / f"{name}-router.json"
-    config.write_text(json.dumps({"pool": {"endpoints": [{"address": pod, "models": [MODEL]} for pod in pods]}}))
-    grpc_port, metrics, admin = (free_port("127.0.0.1") for _ in range(3))
-    picker = group.start(f"{name}-router", kvflow_argv(
-        "router", "--config", str(config), "--port", str(grpc_port), "--metrics-port", str(metrics),
-        "--grpc-health-port", "0", "--no-secure-serving", "--model", MODEL, "--log-level", "WARNING"),
-        ready_url=f"http://127.0.0.1:{metrics}/healthz")
-    endpoints = [Endpoint(host, int(p)) for host, p in (pod.rsplit(":", 1) for pod in pods)]
-    bootstrap = group.log_dir / f"{name}.json"
-    bootstrap.write_text(json.dumps(render([Listener("127.0.0.1", port, response_bodies=response_bodies)],
-                                           ("127.0.0.1", grpc_port), endpoints, admin=("127.0.0.1", admin))))
-    envoy = group.start(name, [str(envoy_binary()), "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning"],
-                        ready_url=f"http://127.0.0.1:{admin}/ready")
-    group.wait_ready(120, [picker, envoy])
-    return [picker.popen.pid, envoy.popen.pid]
+    """The routing benchmark's ``kvflow-envoy`` (``[:lean]``) stack in front of ``pods``, Envoy
+    on 127.0.0.1:``port``: its picker and Envoy, started; their pids."""
+    spec = RouterSpec(ENVOY, response_bodies=response_bodies)
+    fleet = [Pod(Endpoint(host, int(p)), "both", "") for host, p in (pod.rsplit(":", 1) for pod in pods)]
+    children = [group.start(f"{name}-{process.name}", process.argv, ready_url=process.ready_url)
+                for process in envoy_stack(spec, fleet, port, group.log_dir / name, model=MODEL)]
+    group.wait_ready(120, children)
+    return [child.popen.pid for child in children]
 
 
 def median_row(name: str, runs: list[Row]) -> Row:

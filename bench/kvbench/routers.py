@@ -303,11 +303,11 @@ def processes(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
 
 
 def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
-                base: Mapping[str, Any] | None = None) -> list[Process]:
+                base: Mapping[str, Any] | None = None, *, model: str = MODEL) -> list[Process]:
     """``spec.replicas`` ``kvflow router`` pickers (ext_proc, plaintext on loopback) and an Envoy
     listening on ``port`` that asks one of them for every request's pod, with the bootstrap
     kvflow renders for Envoy (its ext_proc cluster holds every picker, streams spread
-    round-robin)."""
+    round-robin); ``model``: the one the pods serve."""
     envoy = check(spec, sum(p.role == "prefill" for p in pods))
     assert envoy is not None
     pickers, grpc_ports = [], []
@@ -316,7 +316,7 @@ def envoy_stack(spec: RouterSpec, pods: Sequence[Pod], port: int, log_dir: Path,
         grpc, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
         router = kvflow_argv("router", "--config", str(config), "--port", str(grpc),
                              "--metrics-port", str(metrics), "--grpc-health-port", "0", "--no-secure-serving",
-                             "--model", MODEL, "--log-level", "WARNING")
+                             "--model", model, "--log-level", "WARNING")
         url = f"http://127.0.0.1:{metrics}"
         pickers.append(Process("kvflow-router" if spec.replicas == 1 else f"kvflow-router-{i + 1}",
                                router + _profile(spec, base), f"{url}/healthz", url, f"{url}/metrics"))
