@@ -65,7 +65,7 @@ class Figures:
 
     @staticmethod
     def mean(figures: Sequence[Figures]) -> Figures:
-        return Figures(*(statistics.fmean(f[i] for f in map(astuple, figures)) for i in range(5)))
+        return Figures(*map(statistics.fmean, zip(*map(astuple, figures), strict=True)))
 
     def cells(self) -> str:
         return f"{self.mean_ms:.1f} / {self.p90_ms:.1f} | {self.hit_rate:.2f} / {self.cpu_rate:.2f} | {self.balance:.2f}"
