@@ -3,7 +3,7 @@
 Behind Envoy the picker answers every HTTP request over an ext_proc stream of a few small
 messages. grpcio's asyncio server hands each message read and written between its own poller
 thread and the event loop; a profile of the picker under load put about half of its CPU there
-(docs/router.md, "Behind Envoy"). This server reads HTTP/2 frames in the event loop's own
+(docs/router.md, "Envoy"). This server reads HTTP/2 frames in the event loop's own
 ``data_received``, hands each message to the method's handler in the same turn of the loop, and
 writes the answers straight to the transport.
 
@@ -154,6 +154,10 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
 
 
+def _goaway(last_stream: int, code: int, why: bytes = b"") -> bytes:
+    return _frame(GOAWAY, 0, 0, last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + why)
+
+
 def _settings(values: Mapping[int, int]) -> bytes:
     return _frame(SETTINGS, 0, 0, b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in values.items()))
 
@@ -293,13 +297,13 @@ class _Connection(asyncio.Protocol):
                 stream_id = int.from_bytes(buf[5:9], "big") & 0x7FFF_FFFF
                 payload = bytes(buf[9 : 9 + length])
                 del buf[: 9 + length]
-                self._frame(kind, flags, stream_id, payload)
+                self._on_frame(kind, flags, stream_id, payload)
         except _ConnectionError as exc:
             self._go_away(exc.code, str(exc))
 
     # frames
 
-    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self.block is not None and kind != CONTINUATION:
             raise _ConnectionError(PROTOCOL_ERROR, "a header block was not continued")
         if kind == DATA:
@@ -409,8 +413,8 @@ class _Connection(asyncio.Protocol):
             self._write(_frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
             return
         if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
-            block = _TABLE_SIZE_0 + b"\x00" + _int(7, 7) + b":status" + _int(3, 7) + b"415"
-            self._write(_frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
+            self._write(_frame(HEADERS, END_HEADERS | END_STREAM, stream_id,
+                               _TABLE_SIZE_0 + _literal(b":status", b"415")))
             return
         method = self.server.methods.get(headers.get(":path", ""), _UNKNOWN)
         stream = _Stream(stream_id, method, self.peer_window)
@@ -568,13 +572,12 @@ class _Connection(asyncio.Protocol):
         """No new calls; the connection closes when the ones in flight have ended."""
         if not self.going_away:
             self.going_away = True
-            self._write(_frame(GOAWAY, 0, 0, self.last_stream.to_bytes(4, "big") + NO_ERROR.to_bytes(4, "big")))
+            self._write(_goaway(self.last_stream, NO_ERROR))
         self._close_if_idle()
 
     def _go_away(self, code: int, why: str) -> None:
         log.warning("gRPC connection closed: %s", why)
-        self._write(_frame(GOAWAY, 0, 0, self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big")
-                           + why.encode()[:200]))
+        self._write(_goaway(self.last_stream, code, why.encode()[:200]))
         self._send_out()
         if self.transport is not None:
             self.transport.close()
