@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
                         "requests over round-robin, or N pickers behind one Envoy; several counts: a row each "
                         "(default: 1)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    p.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds of arrivals before each run's --duration, at the same rate and workload, that fill "
+                        "the caches and count in no figure: only requests sent after the warm-up do (default 0)")
     p.add_argument("--factors", nargs="+", type=float, default=[0.5, 0.75, 1.0, 1.25],
                    help="rates as multiples of round-robin's saturation rate on the replay")
     p.add_argument("--rates", nargs="+", type=float, default=[], help="explicit request rates (req/s) instead")
@@ -101,8 +104,9 @@ def print_outcome(outcome: Outcome) -> None:
     print(f"\n### workload {w.name}: {describe(w)}; "
           f"{w.decode_pods} {'decode pods + ' + str(w.prefill_pods) + ' prefill' if w.pd else 'pods'}, "
           f"{w.num_blocks} KV blocks each; "
-          + (f"round-robin saturates near {outcome.saturation:g} req/s (replay)\n" if outcome.saturation == outcome.saturation
-             else "rates given\n"))
+          + (f"round-robin saturates near {outcome.saturation:g} req/s (replay)" if outcome.saturation == outcome.saturation
+             else "rates given")
+          + (f"; warm-up {outcome.warmup:g} s: every figure is of the requests sent after it\n" if outcome.warmup else "\n"))
     print(report.table(outcome.rows))
     print()
     print(report.calibration(outcome.rows))
@@ -183,8 +187,8 @@ async def main_async(args: argparse.Namespace) -> list[Outcome]:
         for seed in args.seeds:
             for fraction in args.kv_fraction or [0.0]:
                 workload = await asyncio.to_thread(pressured, base, fraction, seed, args.duration) if fraction else base
-                opts = Options(duration=args.duration, factors=tuple(args.factors), rates=rates, seed=seed,
-                               log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet,
+                opts = Options(duration=args.duration, warmup=args.warmup, factors=tuple(args.factors), rates=rates,
+                               seed=seed, log_dir=ROOT / ".kvflow" / "bench-routing-logs", verbose=not args.quiet,
                                kvflow_config=kvflow_config)
                 outcome = await bench_workload(workload, names, opts)
                 outcomes.append(outcome)
@@ -207,7 +211,10 @@ def plot_name(workload: str, seed: int, seeds: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.warmup < 0:
+        p.error("--warmup cannot be negative")
     try:  # children (pods, routers) inherit it
         os.setpriority(os.PRIO_PROCESS, 0, args.nice)
     except OSError as exc:
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "routing.json").write_text(json.dumps(
-        [{"workload": o.workload.name, "seed": o.seed, "saturation": o.saturation, "rates": o.rates, "skipped": o.skipped,
+        [{"workload": o.workload.name, "seed": o.seed, "saturation": o.saturation, "rates": o.rates, "warmup": o.warmup,
+          "skipped": o.skipped,
           "decisions_per_replica": o.decisions, "rows": [asdict(r) for r in o.rows]} for o in outcomes],
         indent=1, default=str))
     names = [plot_name(o.workload.name, o.seed, args.seeds) for o in outcomes]

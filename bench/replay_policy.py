@@ -17,6 +17,10 @@ ratio beside the oracle's: mean and p90 TTFT, prefix-cache hit rate (tokens, GPU
 CPU-tier reload is no hit, as vLLM counts it) and balance (busiest pod's requests over the
 mean), each the mean over seeds (and keys, for kvflow).
 
+``--warmup SECONDS`` replays that many seconds of arrivals (same rate and workload) before each
+trace's ``--duration`` and counts only the requests sent after them, in every figure and ratio:
+steady state, not the first sight of each prefix (``kvflow bench routing --warmup``).
+
 ``--lag TO,FROM`` (ms) adds the way between the router and the pods (``oracle.Lag``): a request
 reaches its pod's engine TO ms after the pick, and the router hears of its first token and its
 end FROM ms after the engine; ``bench/path_probe.py`` measures both on the live benchmark's
@@ -91,26 +95,27 @@ class Replayed:
 
 
 def replayed(w: Workload, seeds: list[int], secrets: int, lag: oracle.Lag, duration: float = DURATION,
-             rates: Sequence[float] = (), **policy: Any) -> list[Replayed]:
+             rates: Sequence[float] = (), warmup: float = 0.0, **policy: Any) -> list[Replayed]:
     """kvflow's and the oracle's replays of each seed's trace, at round-robin's saturation rate
-    (``rates`` empty) or at each of ``rates``; ``policy``: ``KvflowReplay``'s ``replicas``,
-    ``peers`` and ``events``."""
+    (``rates`` empty) or at each of ``rates``, each figure of the requests sent after ``warmup``
+    seconds; ``policy``: ``KvflowReplay``'s ``replicas``, ``peers`` and ``events``."""
     profile = get_profile(SIM_PROFILE)
     out: dict[float, Replayed] = {}
     for seed in seeds:
         for rate in rates or [saturation(w, seed, duration)]:
-            trace = w.trace(rate, duration, seed)
+            trace = w.trace(rate, duration, seed, warmup)
             prepared = oracle.prepare(trace)
             row = out.setdefault(rate if rates else math.nan, Replayed(rate if rates else math.nan))
             if not rates:
                 row.saturations.append(rate)
             best, _ = oracle.oracle_replay(trace, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
                                            prepared=prepared, cpu_blocks=w.cpu_blocks)
+            best = best.since(warmup)
             row.oracle.append(Figures.of(best))
             for i in range(secrets):
                 replay = KvflowReplay(w.decode_pods, w.num_blocks, secret=secret(i), **policy)
                 result = oracle.replay(trace, replay, pods=w.decode_pods, profile=profile, num_blocks=w.num_blocks,
-                                       prepared=prepared, lag=lag, cpu_blocks=w.cpu_blocks)
+                                       prepared=prepared, lag=lag, cpu_blocks=w.cpu_blocks).since(warmup)
                 row.kvflow.append(Figures.of(result))
                 row.ratios.append(oracle.mean_ttft(result.ttft) / oracle.mean_ttft(best.ttft))
     return list(out.values())
@@ -146,6 +151,8 @@ def main() -> None:
     p.add_argument("--rates", nargs="+", type=float, default=None, metavar="R",
                    help="replay at these rates (req/s) instead of round-robin's saturation rate")
     p.add_argument("--duration", type=float, default=DURATION, help="seconds of each trace (default %(default)s)")
+    p.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds of arrivals before each trace's duration that count in no figure (default 0)")
     p.add_argument("--figures", action="store_true",
                    help="also print each router's TTFT mean / p90, hit rate and balance (always with --rates)")
     traces.add_arguments(p)  # --trace FILE replaces --workloads
@@ -158,9 +165,12 @@ def main() -> None:
         p.error("--rates must be above 0")
     if args.duration <= 0:
         p.error("--duration must be above 0")
+    if args.warmup < 0:
+        p.error("--warmup cannot be negative")
     name = KvflowReplay(1, 1, replicas=args.replicas, peers=not args.no_peers, events=not args.no_events).name
     print(f"{name} over the oracle, {len(args.seeds)} traces x {args.secrets} keys, "
-          f"lag {args.lag.to_pod * 1e3:g} ms to the pods, {args.lag.from_pod * 1e3:g} ms back")
+          f"lag {args.lag.to_pod * 1e3:g} ms to the pods, {args.lag.from_pod * 1e3:g} ms back"
+          + (f", warm-up {args.warmup:g} s (only requests sent after it count)" if args.warmup else ""))
     if args.trace:
         case, fixed = traces.workload(args)
         cases, rates = [case], tuple(args.rates or fixed)
@@ -170,7 +180,7 @@ def main() -> None:
     print("| workload | rate | mean | sd | min | max |\n|---|---:|---:|---:|---:|---:|")
     rows: list[tuple[Workload, Replayed]] = []
     for w in cases:  # each workload's rows as soon as its replays are done
-        for row in replayed(w, args.seeds, args.secrets, args.lag, args.duration, rates, **policy):
+        for row in replayed(w, args.seeds, args.secrets, args.lag, args.duration, rates, args.warmup, **policy):
             rows.append((w, row))
             r = row.ratios
             sd = statistics.stdev(r) if len(r) > 1 else 0.0

@@ -16,12 +16,12 @@ import gc
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 
-from kvbench.workloads import Trace, TraceRequest
+from kvbench.workloads import Trace, TraceRequest, after_warmup
 
 
 @dataclass(slots=True)
@@ -60,6 +60,13 @@ class Run:
     """The generator's own CPU seconds (user + system) over the run."""
     started: float = 0.0
     """``time.perf_counter()`` when the run began: the results' times count from it."""
+    warmup: float = 0.0
+    """The trace's warm-up (seconds): requests sent before it count in no figure."""
+
+    @property
+    def counted(self) -> tuple[Result, ...]:
+        """The results the run's figures are of: every one, or those sent after the warm-up."""
+        return tuple(r for r in self.results if after_warmup(r.sent, self.warmup))
 
     @property
     def cpu_share(self) -> float:
@@ -79,9 +86,11 @@ def body(req: TraceRequest, model: str) -> bytes:
     }).encode()
 
 
-async def run(url: str | Sequence[str], trace: Trace, *, model: str, timeout: float = 120.0) -> Run:
+async def run(url: str | Sequence[str], trace: Trace, *, model: str, timeout: float = 120.0,
+              on_warm: Callable[[], Awaitable[None]] | None = None) -> Run:
     """``url``: where every request goes, or one per trace request (by index: the live oracle
-    sends each straight to the pod the oracle placed it on)."""
+    sends each straight to the pod the oracle placed it on). ``on_warm``: awaited when the
+    trace's warm-up ends (not at all without one), e.g. to read the pods' counters there."""
     urls = [url] * len(trace.requests) if isinstance(url, str) else list(url)
     if len(urls) != len(trace.requests):
         raise ValueError(f"{len(urls)} URLs for {len(trace.requests)} requests")
@@ -92,12 +101,13 @@ async def run(url: str | Sequence[str], trace: Trace, *, model: str, timeout: fl
     gc.collect()
     gc.freeze()
     try:
-        return await _run(urls, trace, model, timeout)
+        return await _run(urls, trace, model, timeout, on_warm)
     finally:
         gc.unfreeze()
 
 
-async def _run(urls: Sequence[str], trace: Trace, model: str, timeout: float) -> Run:
+async def _run(urls: Sequence[str], trace: Trace, model: str, timeout: float,
+               on_warm: Callable[[], Awaitable[None]] | None) -> Run:
     bodies = [body(r, model) for r in trace.requests]
     results = [Result(r.index) for r in trace.requests]
     children = trace.children()
@@ -136,7 +146,11 @@ async def _run(urls: Sequence[str], trace: Trace, model: str, timeout: float) ->
                 await asyncio.sleep(req.at)
                 scheduled = time.perf_counter() - t0
 
-        tasks = []
+        async def warmed(hook: Callable[[], Awaitable[None]]) -> None:
+            await asyncio.sleep(max(0.0, trace.warmup - (time.perf_counter() - t0)))
+            await hook()
+
+        tasks = [asyncio.create_task(warmed(on_warm))] if on_warm is not None and trace.warmup > 0 else []
         for root in roots:
             delay = root.at - (time.perf_counter() - t0)
             if delay > 0:
@@ -144,7 +158,7 @@ async def _run(urls: Sequence[str], trace: Trace, model: str, timeout: float) ->
             tasks.append(asyncio.create_task(chain(root)))
         await asyncio.gather(*tasks)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return Run(tuple(results), wall, cpu, t0)
+    return Run(tuple(results), wall, cpu, t0, trace.warmup)
 
 
 async def _stream(resp: aiohttp.ClientResponse, res: Result, t0: float) -> str:

@@ -32,14 +32,14 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvflow.hashing import BlockHash
 from kvflow.sim.profiles import Profile
 from kvflow.sim.request import BlockHasher, HashConfig, SimRequest
 from kvflow.sim.scheduler import Scheduler, SchedulerConfig, StepPlan
 
-from kvbench.workloads import Trace, TraceRequest
+from kvbench.workloads import Trace, TraceRequest, after_warmup
 
 HASH = HashConfig(16, "0", "sha256")
 
@@ -205,6 +205,31 @@ class ReplayResult:
     reload_rate: float = 0.0
     """Prompt tokens loaded back from the pods' CPU offload tiers over those queried (no part of
     ``hit_rate``: vLLM counts them as external hits)."""
+    sent: tuple[float, ...] = ()
+    """Per trace request, when it was sent (NaN: never)."""
+    prompt_tokens: tuple[int, ...] = ()
+    """Per trace request, the prompt tokens its pod looked up (0: never scheduled)."""
+    hit_tokens: tuple[int, ...] = ()
+    """Of them, those its pod's GPU cache held."""
+    reloaded_tokens: tuple[int, ...] = ()
+    """And those its pod's CPU tier loaded back."""
+
+    def since(self, warmup: float) -> ReplayResult:
+        """The result of the requests sent at or after ``warmup`` seconds only (all of them at 0),
+        hit rates and requests per pod included."""
+        if not warmup:
+            return self
+        keep = [i for i, t in enumerate(self.sent) if after_warmup(t, warmup)]
+
+        def kept(values: Sequence[Any]) -> tuple[Any, ...]:
+            return tuple(values[i] for i in keep)
+
+        placements, queried = kept(self.placements), sum(kept(self.prompt_tokens))
+        per_pod = tuple(placements.count(pod) for pod in range(len(self.requests_per_pod)))
+        return ReplayResult(self.policy, kept(self.ttft), kept(self.finished), per_pod,
+                            sum(kept(self.hit_tokens)) / queried if queried else 0.0, placements,
+                            sum(kept(self.reloaded_tokens)) / queried if queried else 0.0, kept(self.sent),
+                            kept(self.prompt_tokens), kept(self.hit_tokens), kept(self.reloaded_tokens))
 
 
 def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = False, cpu_blocks: int = 0) -> Pod:
@@ -238,7 +263,8 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
     fleet = [new_pod(i, profile, num_blocks, events=observer is not None, cpu_blocks=cpu_blocks)
              for i in range(pods)]
     n = len(prepared)
-    ttft, finished = [math.nan] * n, [math.nan] * n
+    ttft, finished, sent = [math.nan] * n, [math.nan] * n, [math.nan] * n
+    looked_up, hit, reloads = [0] * n, [0] * n, [0] * n
     arrival = [0.0] * n
     placed = [-1] * n
     children = trace.children()
@@ -301,6 +327,7 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             continue
         if kind == "send":
             pending_sends -= 1
+            sent[what] = now
             chosen = policy.pick(prepared[what], fleet, now, profile)
             if chosen is None:  # refused: the conversation's later turns are never sent
                 child = children.get(what)
@@ -332,6 +359,8 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
             i = int(req.request_id)
             if len(req.output_ids) == 1:
                 ttft[i] = now - arrival[i]
+                looked_up[i] = len(req.prompt_ids)  # what its first lookup counted (vLLM's prefix-cache stats)
+                hit[i], reloads[i] = req.cached_tokens - req.offloaded_tokens, req.offloaded_tokens
                 pod.expected_uncached.pop(req.request_id, None)
                 tell("first", i, now)
             if req.finished:
@@ -345,7 +374,8 @@ def replay(trace: Trace, policy: Policy, *, pods: int, profile: Profile, num_blo
     queries = sum(p.scheduler.prefix_stats.queries for p in fleet)
     reloaded = sum(p.scheduler.prefix_stats.external_hits for p in fleet) if cpu_blocks else 0
     return ReplayResult(policy.name, tuple(ttft), tuple(finished), tuple(p.routed for p in fleet),
-                        hits / queries if queries else 0.0, tuple(placed), reloaded / queries if queries else 0.0)
+                        hits / queries if queries else 0.0, tuple(placed), reloaded / queries if queries else 0.0,
+                        tuple(sent), tuple(looked_up), tuple(hit), tuple(reloads))
 
 
 ORACLE_WEIGHTS = (0.0, 1.0, 2.0, 4.0)
@@ -355,14 +385,15 @@ def oracle_replay(trace: Trace, *, pods: int, profile: Profile, num_blocks: int,
                   prepared: Sequence[Prepared] | None = None,
                   weights: Sequence[float] = ORACLE_WEIGHTS, cpu_blocks: int = 0) -> tuple[ReplayResult, float]:
     """The oracle: the clairvoyant router with the capacity weight that gives this trace the
-    lowest mean TTFT (and that weight). Pure TTFT-greedy (weight 0) starves later requests under
-    load; charging the compute a choice takes fixes that, by how much depends on the load."""
+    lowest mean TTFT of the requests sent after its warm-up (and that weight). Pure TTFT-greedy
+    (weight 0) starves later requests under load; charging the compute a choice takes fixes
+    that, by how much depends on the load."""
     prepared = list(prepared) if prepared is not None else prepare(trace)
     best: tuple[ReplayResult, float] | None = None
     for weight in weights:
         result = replay(trace, Clairvoyant(weight), pods=pods, profile=profile, num_blocks=num_blocks,
                         prepared=prepared, cpu_blocks=cpu_blocks)
-        if best is None or mean_ttft(result.ttft) < mean_ttft(best[0].ttft):
+        if best is None or mean_ttft(result.since(trace.warmup).ttft) < mean_ttft(best[0].since(trace.warmup).ttft):
             best = (result, weight)
     assert best is not None
     return best

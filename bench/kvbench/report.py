@@ -64,6 +64,8 @@ class Row:
     ttft_p99_ms: float = math.nan
     ttfts_ms: tuple[float, ...] = ()
     """Every answered request's TTFT, in send order (the CDF plots)."""
+    warmup_s: float = 0.0
+    """The run's warm-up: every figure is of the requests sent after it (0: of all)."""
 
     @property
     def balance(self) -> float:
@@ -82,7 +84,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def measured_row(workload: str, router: str, rate: float, run: Run, before: Sequence[Counters],
                  after: Sequence[Counters], decode_pods: Sequence[int], *, router_cpu: float, load_avg: float) -> Row:
-    done = [r for r in run.results if r.ok]
+    counted = run.counted  # ``before``: the pods' counters when the warm-up ended, if there was one
+    done = [r for r in counted if r.ok]
     ttfts = [r.ttft * 1e3 for r in done]
     itls = [r.itl * 1e3 for r in done if not math.isnan(r.itl)]
     hits = sum(a.prefix_hits - b.prefix_hits for a, b in zip(after, before, strict=True))
@@ -92,22 +95,23 @@ def measured_row(workload: str, router: str, rate: float, run: Run, before: Sequ
     pod_ttft = sum(after[i].ttft_sum - before[i].ttft_sum for i in decode_pods) / pod_ttfts if pod_ttfts else math.nan
     span = max((r.last for r in done), default=0.0) - min((r.sent for r in done), default=0.0)
     return Row(
-        workload, router, rate, len(run.results), len(run.results) - len(done),
+        workload, router, rate, len(counted), len(counted) - len(done),
         statistics.mean(ttfts) if ttfts else math.nan, percentile(ttfts, 0.9),
         statistics.mean(itls) if itls else math.nan, sum(r.tokens for r in done) / span if span > 0 else math.nan,
         hits / queries if queries else math.nan, per_pod, router_cpu, run.cpu_share, run.max_lag * 1e3, load_avg,
         sum(not r.answer_matches for r in done),
         int(sum(a.external_hits - b.external_hits for a, b in zip(after, before, strict=True))), pod_ttft * 1e3,
-        ttft_p99_ms=percentile(ttfts, 0.99), ttfts_ms=tuple(round(t, 3) for t in ttfts),
+        ttft_p99_ms=percentile(ttfts, 0.99), ttfts_ms=tuple(round(t, 3) for t in ttfts), warmup_s=run.warmup,
     )
 
 
 def replay_row(workload: str, name: str, rate: float, ttft_s: Sequence[float], *, hit_rate: float = math.nan,
-               requests_per_pod: tuple[int, ...] = ()) -> Row:
+               requests_per_pod: tuple[int, ...] = (), warmup: float = 0.0) -> Row:
+    """``ttft_s``: the counted requests' (those sent after ``warmup``)."""
     ms = [t * 1e3 for t in ttft_s if not math.isnan(t)]
     return Row(workload, name, rate, len(ttft_s), len(ttft_s) - len(ms), statistics.mean(ms) if ms else math.nan,
                percentile(ms, 0.9), hit_rate=hit_rate, requests_per_pod=requests_per_pod, measured=False,
-               ttft_p99_ms=percentile(ms, 0.99), ttfts_ms=tuple(round(t, 3) for t in ms))
+               ttft_p99_ms=percentile(ms, 0.99), ttfts_ms=tuple(round(t, 3) for t in ms), warmup_s=warmup)
 
 
 def _ratio(a: float, b: float) -> str:

@@ -40,6 +40,8 @@ SIM_PROFILE = "h100-llama8b"
 @dataclass(frozen=True, slots=True)
 class Options:
     duration: float = 20.0
+    warmup: float = 0.0
+    """Seconds of arrivals before ``duration``, at the same rate, that count in no figure."""
     factors: tuple[float, ...] = (0.5, 0.75, 1.0, 1.25)
     """Rates as multiples of the replay's round-robin saturation rate."""
     rates: tuple[float, ...] = ()
@@ -62,6 +64,8 @@ class Outcome:
     rows: list[report.Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     seed: int = 0
+    warmup: float = 0.0
+    """Seconds of each run's arrivals before its figures count (``Options.warmup``)."""
     placements: dict[float, tuple[int, ...]] = field(default_factory=dict)
     """Per rate, the pod the oracle's replay sent each request to (what the live oracle sends)."""
     decisions: dict[str, dict[float, tuple[int, ...]]] = field(default_factory=dict)
@@ -118,15 +122,16 @@ def replay_rows(workload: Workload, trace: Trace) -> tuple[list[report.Row], tup
         return rows, ()
     best, _ = oracle.oracle_replay(trace, pods=workload.decode_pods, profile=profile,
                                    num_blocks=workload.num_blocks, prepared=prepared, cpu_blocks=workload.cpu_blocks)
-    results = [(report.ORACLE, best)]
+    results = [(report.ORACLE, best)]  # the oracle's placements are every request's, the warm-up's too
     for policy, name in ((oracle.RoundRobin(), report.REPLAY_RR),
                          (KvflowReplay(workload.decode_pods, workload.num_blocks), report.REPLAY_KVFLOW)):
         results.append((name, oracle.replay(trace, policy, pods=workload.decode_pods, profile=profile,
                                             num_blocks=workload.num_blocks, prepared=prepared,
                                             cpu_blocks=workload.cpu_blocks)))
     for name, res in results:
+        res = res.since(trace.warmup)
         rows.append(report.replay_row(workload.name, name, trace.rate, res.ttft, hit_rate=res.hit_rate,
-                                      requests_per_pod=res.requests_per_pod))
+                                      requests_per_pod=res.requests_per_pod, warmup=trace.warmup))
     return rows, best.placements
 
 
@@ -157,7 +162,12 @@ async def measure(workload: Workload, spec: routers.RouterSpec, url: str | Seque
         await podlib.reset(session, fleet)
         before = await podlib.counters(session, fleet)
         cpu0, t0 = [proc_cpu_seconds(pid) for pid in pids], time.monotonic()
-        run = await loadgen.run(url, trace, model=podlib.MODEL)
+
+        async def warmed() -> None:  # the figures count from here: the pods' counters, the router's CPU
+            nonlocal before, cpu0, t0
+            before, cpu0, t0 = await podlib.counters(session, fleet), [proc_cpu_seconds(p) for p in pids], time.monotonic()
+
+        run = await loadgen.run(url, trace, model=podlib.MODEL, on_warm=warmed)
         elapsed = time.monotonic() - t0
         shares = [(proc_cpu_seconds(pid) - c) / elapsed for pid, c in zip(pids, cpu0, strict=True)]
         router_cpu = sum(shares) if pids else math.nan
@@ -199,10 +209,12 @@ def spread(urls: Sequence[str], requests: int) -> str | list[str]:
 
 async def bench_workload(workload: Workload, router_names: Sequence[str], opts: Options) -> Outcome:
     saturation, rates = await asyncio.to_thread(plan_rates, workload, opts)
-    outcome = Outcome(workload, saturation, rates, seed=opts.seed)
+    outcome = Outcome(workload, saturation, rates, seed=opts.seed, warmup=opts.warmup)
     found = f"round-robin saturates near {saturation:g} req/s on the replay" if saturation == saturation else "given"
     log(opts, f"workload {workload.name} ({describe(workload)}): {found}; rates {', '.join(map(str, rates))}")
-    traces = {rate: workload.trace(rate, opts.duration, opts.seed) for rate in rates}
+    traces = {rate: workload.trace(rate, opts.duration, opts.seed, opts.warmup) for rate in rates}
+    if opts.warmup:
+        log(opts, f"  warm-up {opts.warmup:g} s at each rate: only requests sent after it count")
     for rate, trace in traces.items():
         rows, outcome.placements[rate] = await asyncio.to_thread(replay_rows, workload, trace)
         outcome.rows += rows

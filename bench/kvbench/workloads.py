@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 VOCAB = 20000
@@ -54,12 +54,22 @@ class TraceRequest:
     """The simulator's answer (drawn with ``seed``); follow-up turns carry it in their history."""
 
 
+def after_warmup(sent: float, warmup: float) -> bool:
+    """Whether a request sent at ``sent`` seconds counts in a run's figures: every request
+    without a warm-up, else those sent at or after it (one never sent, NaN, does not)."""
+    return not warmup or sent >= warmup
+
+
 @dataclass(frozen=True, slots=True)
 class Trace:
     shape: str
     rate: float
     duration: float
+    """Seconds of arrivals, the warm-up's included."""
     requests: tuple[TraceRequest, ...]
+    warmup: float = 0.0
+    """Seconds of arrivals at the start that fill the caches and count in no figure
+    (``after_warmup``): the run measures steady state, not the first sight of each prefix."""
 
     def children(self) -> dict[int, int]:
         """Request index -> the follow-up turn that waits for it."""
@@ -174,12 +184,15 @@ class Workload:
     def pd(self) -> bool:
         return self.prefill_pods > 0
 
-    def trace(self, rate: float, duration: float, seed: int = 0) -> Trace:
+    def trace(self, rate: float, duration: float, seed: int = 0, warmup: float = 0.0) -> Trace:
+        """``duration`` seconds of arrivals after ``warmup`` seconds of them at the same rate."""
         if self.shape == TRACE_SHAPE:  # a recorded trace (kvbench.traces), replayed at ``rate``
             from kvbench.traces import replay
 
-            return replay(dict(self.params)["window"], rate, duration, seed)  # type: ignore[arg-type]
-        return SHAPES[self.shape](rate, duration, seed, **dict(self.params))
+            trace = replay(dict(self.params)["window"], rate, warmup + duration, seed)  # type: ignore[arg-type]
+        else:
+            trace = SHAPES[self.shape](rate, warmup + duration, seed, **dict(self.params))
+        return replace(trace, warmup=warmup) if warmup else trace
 
 
 TIERED = (("groups", 120), ("per_group", 1), ("system_len", 4000), ("question_len", 200), ("output_len", 32))
