@@ -30,7 +30,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, Protocol
 
@@ -224,12 +224,14 @@ class ReplayResult:
         def kept(values: Sequence[Any]) -> tuple[Any, ...]:
             return tuple(values[i] for i in keep)
 
-        placements, queried = kept(self.placements), sum(kept(self.prompt_tokens))
-        per_pod = tuple(placements.count(pod) for pod in range(len(self.requests_per_pod)))
-        return ReplayResult(self.policy, kept(self.ttft), kept(self.finished), per_pod,
-                            sum(kept(self.hit_tokens)) / queried if queried else 0.0, placements,
-                            sum(kept(self.reloaded_tokens)) / queried if queried else 0.0, kept(self.sent),
-                            kept(self.prompt_tokens), kept(self.hit_tokens), kept(self.reloaded_tokens))
+        placements, looked_up = kept(self.placements), kept(self.prompt_tokens)
+        hits, reloads, queried = kept(self.hit_tokens), kept(self.reloaded_tokens), sum(looked_up)
+        return replace(
+            self, ttft=kept(self.ttft), finished=kept(self.finished), placements=placements, sent=kept(self.sent),
+            requests_per_pod=tuple(placements.count(pod) for pod in range(len(self.requests_per_pod))),
+            hit_rate=sum(hits) / queried if queried else 0.0, reload_rate=sum(reloads) / queried if queried else 0.0,
+            prompt_tokens=looked_up, hit_tokens=hits, reloaded_tokens=reloads,
+        )
 
 
 def new_pod(index: int, profile: Profile, num_blocks: int, *, events: bool = False, cpu_blocks: int = 0) -> Pod:
@@ -390,11 +392,13 @@ def oracle_replay(trace: Trace, *, pods: int, profile: Profile, num_blocks: int,
     that, by how much depends on the load."""
     prepared = list(prepared) if prepared is not None else prepare(trace)
     best: tuple[ReplayResult, float] | None = None
+    best_ttft = math.inf
     for weight in weights:
         result = replay(trace, Clairvoyant(weight), pods=pods, profile=profile, num_blocks=num_blocks,
                         prepared=prepared, cpu_blocks=cpu_blocks)
-        if best is None or mean_ttft(result.since(trace.warmup).ttft) < mean_ttft(best[0].since(trace.warmup).ttft):
-            best = (result, weight)
+        ttft = mean_ttft(result.since(trace.warmup).ttft)
+        if best is None or ttft < best_ttft:
+            best, best_ttft = (result, weight), ttft
     assert best is not None
     return best
 
