@@ -223,6 +223,7 @@ class ExternalProcessor:
             self._finish(ex)
 
     async def _handle(self, ex: _Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """Every message but an answer's body chunk (``Process`` answers those itself)."""
         if ex.refused:
             return []
         kind = msg.WhichOneof("request")
@@ -264,8 +265,6 @@ class ExternalProcessor:
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
-        if kind == "response_body":
-            return [self._response_body(ex, msg.response_body)]
         if kind == "request_trailers":
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_trailers":
