@@ -336,6 +336,7 @@ class Router:
 
     def _touch(self, counter: LoadCounter, fingerprints: np.ndarray) -> None:
         counter.touched(fingerprints, self._clock())
+        counter.working_set.pin(fingerprints)
 
     def refresh_gauges(self) -> None:
         """Set the per-endpoint gauges (in flight, routable) and index sizes: called when the
@@ -362,7 +363,7 @@ class Router:
             oldest = next(iter(foreign))
             if foreign[oldest].leg.sent_at > now - LEG_TTL:
                 break
-            foreign.pop(oldest).leg.release(now, undo=False)
+            _end(foreign.pop(oldest), now, undo=False)
         key = (message.sender, message.leg)
         if message.kind == SENT:
             view = self.datastore.view(message.endpoint)
@@ -373,7 +374,9 @@ class Router:
                 if message.taught:
                     self.approx.add(eid, hashes)
                 self.speculative.add(eid, hashes, now)
-                view.counter.touched(np.array(hashes, np.uint64), now)
+                keys = np.array(hashes, np.uint64)
+                view.counter.touched(keys, now)
+                view.counter.working_set.pin(keys)
             foreign[key] = _Foreign(Leg(view.endpoint, view.counter, message.work, message.tokens, now), hashes,
                                     message.taught)
             return
@@ -384,7 +387,7 @@ class Router:
             found.leg.prefilled()
             return
         del foreign[key]
-        found.leg.release(now, undo=message.undone)
+        _end(found, now, undo=message.undone)
         if message.undone and found.hashes:
             eid = found.leg.endpoint.id
             if found.taught:
@@ -505,7 +508,12 @@ class _Lesson:
             peers.tell(Message(peers.sender, PREFILLED, leg))
 
     def released(self, endpoint: Endpoint, prefill: bool, undone: bool) -> None:
-        peers, leg = self._router.peers, self._legs.pop(prefill, None)
+        router, hashes = self._router, self._hashes
+        if hashes is not None:
+            counter = router.datastore.counter(endpoint.id)
+            if counter is not None:  # after the touch that pinned it (``sent``), in order
+                router._later(counter.working_set.unpin, hashes.array)
+        peers, leg = router.peers, self._legs.pop(prefill, None)
         if peers is not None and leg is not None:
             peers.tell(Message(peers.sender, RELEASED, leg, undone=undone))
 
@@ -519,6 +527,14 @@ class _Lesson:
 
     def answered(self, endpoint: Endpoint, prefill: bool) -> None:
         self._router.outliers.succeeded(endpoint.id)
+
+
+def _end(foreign: _Foreign, now: float, *, undo: bool) -> None:
+    """A peer's leg ended: its load leaves the pod, and its blocks the pod's pins."""
+    leg = foreign.leg
+    leg.release(now, undo=undo)
+    if foreign.hashes and leg.counter is not None:
+        leg.counter.working_set.unpin(np.array(foreign.hashes, np.uint64))
 
 
 def _now(fn: Callable[..., object], *args: object) -> None:

@@ -19,7 +19,8 @@ on an event loop does after the request is sent); a decision reads one number.
 
 The same sample, in touch order, gives a block's place in the pod's LRU order: ``surviving``
 cuts a prefix the KV events still report where a cacheful of other blocks was sent after it,
-before the pod's ``BlockRemoved`` arrives.
+before the pod's ``BlockRemoved`` arrives, but never the part a request still in flight there
+uses (``pin`` / ``unpin``, one block in 16 of each such request: vLLM evicts no block in use).
 
 How fine the sample is follows the pod's capacity once it is known (``fit``): about
 ``SAMPLES_PER_CACHEFUL`` samples make a cacheful, at most one block in ``2**SAMPLE_BITS``. A
@@ -48,7 +49,8 @@ SAMPLES_PER_CACHEFUL = 1024
 
 
 class WorkingSet:
-    __slots__ = ("window", "tokens", "_block_size", "_bits", "_fixed", "_mask", "_scale", "_touched", "_by_time")
+    __slots__ = ("window", "tokens", "_block_size", "_bits", "_fixed", "_mask", "_scale", "_touched", "_by_time",
+                 "_pinned")
 
     def __init__(self, block_size: int = 16, window: float = DEFAULT_WINDOW, sample_bits: int | None = None) -> None:
         """``sample_bits``: sample one block in ``2**sample_bits``, whatever the capacity (None:
@@ -63,6 +65,8 @@ class WorkingSet:
         self._by_time: dict[float, int] = {}
         """Touch time -> samples last touched then, oldest first (one entry per request sent in
         the window): how many were touched after a time, counted from the newest."""
+        self._pinned: dict[int, int] = {}
+        """Sampled fingerprint -> requests in flight here that use it (``pin``, ``unpin``)."""
         self._sample(SAMPLE_BITS if sample_bits is None else sample_bits)
 
     def _sample(self, bits: int) -> None:
@@ -124,6 +128,23 @@ class WorkingSet:
                 by_time[now] = by_time.pop(now, 0) + len(sampled)
         self.expire(now)
 
+    def pin(self, fingerprints: np.ndarray) -> None:
+        """A request that uses these prompt blocks is in flight here (until ``unpin``). Kept for
+        one block in 16 whatever the sample (the fixed coarse sample: a few dict updates a request)."""
+        pinned = self._pinned
+        for key in _coarse(fingerprints):
+            pinned[key] = pinned.get(key, 0) + 1
+
+    def unpin(self, fingerprints: np.ndarray) -> None:
+        """The request ``pin`` was told of ended here."""
+        pinned = self._pinned
+        for key in _coarse(fingerprints):
+            left = pinned.get(key, 0) - 1
+            if left > 0:
+                pinned[key] = left
+            else:
+                pinned.pop(key, None)
+
     def expire(self, now: float) -> None:
         """Forget the blocks last touched more than ``window`` seconds before ``now``."""
         touched, by_time, since = self._touched, self._by_time, now - self.window
@@ -137,7 +158,25 @@ class WorkingSet:
 
     def surviving(self, fingerprints: np.ndarray, capacity: int) -> int:
         """How many leading blocks of ``fingerprints`` (a prefix the pod is believed to hold)
-        are still there when a request sent now runs, the pod's cache being least-recently-used.
+        are still there when a request sent now runs: those the LRU order keeps (``_lru_kept``),
+        and at least those a request in flight here uses. vLLM evicts no block a running request
+        holds, and a request still queued runs first (first-in first-out) and holds them again,
+        loaded or computed, so the order requests were sent in, which is the order of the LRU
+        sample, cuts nothing they share: on a pod whose full KV cache queues requests for seconds
+        it did, and sent a shared prefix's next request away from the pod whose requests use it."""
+        kept = self._lru_kept(fingerprints, capacity)
+        if kept == len(fingerprints) or not self._pinned:
+            return kept
+        pinned, held = self._pinned, 0
+        for i in np.flatnonzero((fingerprints & _COARSE) == 0).tolist():  # a prefix is used from its
+            if int(fingerprints[i]) not in pinned:                         # first block: pins lead
+                break
+            held = i + 1  # (up to 15 blocks after it may be in use too: they are not counted)
+        return max(kept, held)
+
+    def _lru_kept(self, fingerprints: np.ndarray, capacity: int) -> int:
+        """How many leading blocks of ``fingerprints`` the pod's cache, least-recently-used,
+        still holds when a request sent now runs, by the order of the blocks' last touches.
 
         A block is evicted once ``capacity`` tokens of other blocks were used after it (its LRU
         stack distance; the requests sent since are counted, computed or still queued, since a
@@ -187,9 +226,14 @@ class WorkingSet:
         return n
 
     def clear(self) -> None:
-        self._touched.clear()
+        self._touched.clear()  # (not the pins: their requests are still in flight, and unpin themselves)
         self._by_time.clear()
         self.tokens = 0
+
+
+def _coarse(fingerprints: np.ndarray) -> list[int]:
+    keys = np.asarray(fingerprints, dtype=np.uint64)
+    return keys[(keys & _COARSE) == 0].tolist()
 
 
 def _take(by_time: dict[float, int], t: float, n: int) -> None:

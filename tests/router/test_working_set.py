@@ -13,6 +13,7 @@ from kvflow.local.procs import free_port
 from kvflow.router import EngineMetrics, Router, SchedulingRequest, load_config
 from kvflow.router.framework import Cycle
 from kvflow.router.model import LoadCounter
+from kvflow.router.peers import RELEASED, SENT, Message
 from kvflow.router.plugins import PluginContext
 from kvflow.router.plugins.prefix_cache import precise_matches
 from kvflow.router.working_set import WorkingSet
@@ -162,6 +163,83 @@ def test_nothing_is_evicted_while_fewer_tokens_than_the_cache_holds_were_touched
     ws.touch(prefix, now=0.0)
     ws.touch(blocks(500, seed=2), now=1.0)
     assert ws.surviving(prefix, 1000 * 16) == 200
+
+
+def sampled(n: int, seed: int) -> np.ndarray:
+    """Blocks that are all in the pins' one-in-16 sample (their low four bits zero)."""
+    return blocks(n, seed) & ~np.uint64(15)
+
+
+def pinned_tokens(keys: np.ndarray) -> int:
+    """The tokens of a pinned prefix the cut keeps: up to its last block in the one-in-16 sample."""
+    return (int(np.flatnonzero((keys & np.uint64(15)) == 0)[-1]) + 1) * 16
+
+
+def test_a_prefix_a_request_in_flight_uses_is_not_cut_whatever_the_lru_order() -> None:
+    # vLLM evicts no block a running request holds, and a queued request runs before one sent now.
+    ws = WorkingSet(block_size=16, window=60.0, sample_bits=0)
+    capacity = 1000 * 16
+    prefix = sampled(200, seed=1)
+    ws.touch(prefix, now=1.0)
+    ws.pin(prefix[:120])  # a request using its first 120 blocks is in flight
+    ws.touch(blocks(2000, seed=2), now=2.0)  # two cachefuls sent after it
+    assert ws.surviving(prefix, capacity) == 120  # the in-flight request's blocks stay, the rest is gone
+    ws.pin(prefix)
+    assert ws.surviving(prefix, capacity) == 200
+    ws.unpin(prefix)
+    ws.unpin(prefix[:120])  # both ended: the LRU order alone decides again
+    assert ws.surviving(prefix, capacity) == 0
+
+
+def test_pins_are_counted_per_request() -> None:
+    ws = WorkingSet(block_size=16, window=60.0, sample_bits=0)
+    prefix = sampled(50, seed=1)
+    ws.touch(prefix, now=1.0)
+    ws.pin(prefix)
+    ws.pin(prefix)
+    ws.touch(blocks(2000, seed=2), now=2.0)
+    ws.unpin(prefix)  # one of the two ended
+    assert ws.surviving(prefix, 1000 * 16) == 50
+    ws.unpin(prefix)
+    assert ws.surviving(prefix, 1000 * 16) == 0
+
+
+def test_the_router_keeps_a_prefix_its_requests_in_flight_share_and_cuts_it_once_they_end() -> None:
+    pod, now = Endpoint("127.0.0.2", 8000), [0.0]
+    router = Router(load_config({}), [pod], profile="prefix-precise", clock=lambda: now[0])
+    router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=1000, block_size=16), 0.0)
+    router.event_sources.add(pod.id)
+    prompt = list(range(16 * 200))
+    keys = router.fingerprints(SchedulingRequest("p", "m", prompt)).array
+    router.precise.add(pod.id, keys.tolist())  # the pod's KV events report the whole prompt
+    flight = router.decide(SchedulingRequest("a", "m", prompt))
+    flight.send(pod)  # still in flight (queued or decoding) while other prompts are sent after it
+    counter = router.datastore.counter(pod.id)
+    assert counter is not None
+    now[0] = 10.0  # past the speculative guess of where it was sent
+    counter.touched(blocks(2000, seed=2), now=10.0)
+    # kept up to its last block in the pins' one-in-16 sample
+    assert router.decide(SchedulingRequest("b", "m", prompt)).result.cached_tokens == pinned_tokens(keys)
+    flight.finish()
+    assert router.decide(SchedulingRequest("c", "m", prompt)).result.cached_tokens == 0
+
+
+def test_a_peer_replicas_request_in_flight_keeps_its_prefix_too() -> None:
+    pod, now = Endpoint("127.0.0.2", 8000), [0.0]
+    router = Router(load_config({}), [pod], profile="prefix-precise", clock=lambda: now[0])
+    router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=1000, block_size=16), 0.0)
+    router.event_sources.add(pod.id)
+    prompt = list(range(16 * 200))
+    keys = router.fingerprints(SchedulingRequest("p", "m", prompt)).array
+    router.precise.add(pod.id, keys.tolist())
+    router.heard(Message(b"replica2", SENT, 1, pod.id, keys.tolist(), False, work=3200, tokens=3200))
+    now[0] = 10.0
+    counter = router.datastore.counter(pod.id)
+    assert counter is not None
+    counter.touched(blocks(2000, seed=2), now=10.0)
+    assert router.decide(SchedulingRequest("b", "m", prompt)).result.cached_tokens == pinned_tokens(keys)
+    router.heard(Message(b"replica2", RELEASED, 1))
+    assert router.decide(SchedulingRequest("c", "m", prompt)).result.cached_tokens == 0
 
 
 def test_a_block_this_router_never_sent_is_left_as_the_pod_reports_it() -> None:
