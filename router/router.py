@@ -334,9 +334,15 @@ class Router:
             self.datastore.set_ejected(eid, False)
             log.info("readmitted %s after its ejection", eid)
 
-    def _touch(self, counter: LoadCounter, fingerprints: np.ndarray) -> None:
+    def _touch(self, counter: LoadCounter, fingerprints: np.ndarray, pin: bool) -> None:
         counter.touched(fingerprints, self._clock())
-        counter.working_set.pin(fingerprints)
+        if pin:
+            counter.working_set.pin(fingerprints)
+
+    def _pins(self, endpoint: EndpointId) -> bool:
+        """Whether requests in flight on the pod pin their blocks there: where it offloads to a
+        CPU tier, the only pods whose eviction cut reads them (``prefix_cache.surviving``)."""
+        return self.precise.cpu.blocks_of(endpoint) > 0
 
     def refresh_gauges(self) -> None:
         """Set the per-endpoint gauges (in flight, routable) and index sizes: called when the
@@ -370,15 +376,18 @@ class Router:
             if view is None:
                 return  # a pod this replica does not route to (yet)
             eid, hashes = message.endpoint, message.hashes
+            pinned = False
             if hashes:
                 if message.taught:
                     self.approx.add(eid, hashes)
                 self.speculative.add(eid, hashes, now)
                 keys = np.array(hashes, np.uint64)
                 view.counter.touched(keys, now)
-                view.counter.working_set.pin(keys)
+                pinned = self._pins(eid)
+                if pinned:
+                    view.counter.working_set.pin(keys)
             foreign[key] = _Foreign(Leg(view.endpoint, view.counter, message.work, message.tokens, now), hashes,
-                                    message.taught)
+                                    message.taught, pinned)
             return
         found = foreign.get(key)
         if found is None:
@@ -452,6 +461,8 @@ class _Foreign:
     leg: Leg
     hashes: list[int]
     taught: bool
+    pinned: bool = False
+    """Its blocks are pinned on the pod (``Router._pins``) until it ends."""
 
 
 class _Lesson:
@@ -460,7 +471,7 @@ class _Lesson:
     there ends, the pod's working set), taken back where an attempt fails; the plugins'
     ``StartedHook``s, told where it went; passive health, told which pods answer and which fail."""
 
-    __slots__ = ("_router", "_request", "_result", "_hashes", "_teach_all", "_learned", "_guesses", "_legs")
+    __slots__ = ("_router", "_request", "_result", "_hashes", "_teach_all", "_learned", "_guesses", "_legs", "_pinned")
 
     def __init__(self, router: Router, request: SchedulingRequest, result: SchedulingResult,
                  hashes: PromptFingerprints | None) -> None:
@@ -475,6 +486,8 @@ class _Lesson:
         """Each leg's speculative guess, until its prefill ends."""
         self._legs: dict[bool, int] = {}
         """Each leg's name on the wire to the router's peers, until it is released."""
+        self._pinned: set[tuple[EndpointId, bool]] = set()
+        """The legs whose blocks are pinned on their pod, until they are released."""
 
     def sent(self, endpoint: Endpoint, prefill: bool, work: int, tokens: int) -> None:
         router, hashes = self._router, self._hashes
@@ -491,7 +504,10 @@ class _Lesson:
                     self._guesses[endpoint.id, prefill] = guess
             counter = router.datastore.counter(endpoint.id)
             if counter is not None:  # a long prompt's touch is real work: after the request is sent
-                router._later(router._touch, counter, hashes.array)
+                pin = router._pins(endpoint.id)
+                if pin:
+                    self._pinned.add((endpoint.id, prefill))
+                router._later(router._touch, counter, hashes.array, pin)
         if router.peers is not None:
             leg = self._legs[prefill] = next(router._leg_names)
             router.peers.tell(Message(router.peers.sender, SENT, leg, endpoint.id, learned, taught, work, tokens))
@@ -509,7 +525,8 @@ class _Lesson:
 
     def released(self, endpoint: Endpoint, prefill: bool, undone: bool) -> None:
         router, hashes = self._router, self._hashes
-        if hashes is not None:
+        if hashes is not None and (endpoint.id, prefill) in self._pinned:
+            self._pinned.discard((endpoint.id, prefill))
             counter = router.datastore.counter(endpoint.id)
             if counter is not None:  # after the touch that pinned it (``sent``), in order
                 router._later(counter.working_set.unpin, hashes.array)
@@ -533,7 +550,7 @@ def _end(foreign: _Foreign, now: float, *, undo: bool) -> None:
     """A peer's leg ended: its load leaves the pod, and its blocks the pod's pins."""
     leg = foreign.leg
     leg.release(now, undo=undo)
-    if foreign.hashes and leg.counter is not None:
+    if foreign.pinned and leg.counter is not None:
         leg.counter.working_set.unpin(np.array(foreign.hashes, np.uint64))
 
 

@@ -19,8 +19,8 @@ on an event loop does after the request is sent); a decision reads one number.
 
 The same sample, in touch order, gives a block's place in the pod's LRU order: ``surviving``
 cuts a prefix the KV events still report where a cacheful of other blocks was sent after it,
-before the pod's ``BlockRemoved`` arrives, but never the part a request still in flight there
-uses (``pin`` / ``unpin``, one block in 16 of each such request: vLLM evicts no block in use).
+before the pod's ``BlockRemoved`` arrives. Beside it, the blocks of the requests in flight there
+(``pin`` / ``unpin``, one block in 16 of each): ``in_use``, which vLLM does not evict.
 
 How fine the sample is follows the pod's capacity once it is known (``fit``): about
 ``SAMPLES_PER_CACHEFUL`` samples make a cacheful, at most one block in ``2**SAMPLE_BITS``. A
@@ -156,27 +156,21 @@ class WorkingSet:
                     popitem(last=False)
         self.tokens = len(touched) * self._scale
 
+    def in_use(self, fingerprints: np.ndarray) -> int:
+        """How many leading blocks of ``fingerprints`` a request in flight here uses (``pin``),
+        to the last block of the pins' one-in-16 sample (up to 15 blocks after it may be in use
+        too: they are not counted)."""
+        pinned, held = self._pinned, 0
+        if pinned:
+            for i in np.flatnonzero((fingerprints & _COARSE) == 0).tolist():
+                if int(fingerprints[i]) not in pinned:  # a prefix is used from its first block
+                    break
+                held = i + 1
+        return held
+
     def surviving(self, fingerprints: np.ndarray, capacity: int) -> int:
         """How many leading blocks of ``fingerprints`` (a prefix the pod is believed to hold)
-        are still there when a request sent now runs: those the LRU order keeps (``_lru_kept``),
-        and at least those a request in flight here uses. vLLM evicts no block a running request
-        holds, and a request still queued runs first (first-in first-out) and holds them again,
-        loaded or computed, so the order requests were sent in, which is the order of the LRU
-        sample, cuts nothing they share: on a pod whose full KV cache queues requests for seconds
-        it did, and sent a shared prefix's next request away from the pod whose requests use it."""
-        kept = self._lru_kept(fingerprints, capacity)
-        if kept == len(fingerprints) or not self._pinned:
-            return kept
-        pinned, held = self._pinned, 0
-        for i in np.flatnonzero((fingerprints & _COARSE) == 0).tolist():  # a prefix is used from its
-            if int(fingerprints[i]) not in pinned:                         # first block: pins lead
-                break
-            held = i + 1  # (up to 15 blocks after it may be in use too: they are not counted)
-        return max(kept, held)
-
-    def _lru_kept(self, fingerprints: np.ndarray, capacity: int) -> int:
-        """How many leading blocks of ``fingerprints`` the pod's cache, least-recently-used,
-        still holds when a request sent now runs, by the order of the blocks' last touches.
+        are still there when a request sent now runs, the pod's cache being least-recently-used.
 
         A block is evicted once ``capacity`` tokens of other blocks were used after it (its LRU
         stack distance; the requests sent since are counted, computed or still queued, since a

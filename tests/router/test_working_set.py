@@ -175,63 +175,69 @@ def pinned_tokens(keys: np.ndarray) -> int:
     return (int(np.flatnonzero((keys & np.uint64(15)) == 0)[-1]) + 1) * 16
 
 
-def test_a_prefix_a_request_in_flight_uses_is_not_cut_whatever_the_lru_order() -> None:
-    # vLLM evicts no block a running request holds, and a queued request runs before one sent now.
+def test_the_blocks_requests_in_flight_use_are_counted_from_the_first() -> None:
     ws = WorkingSet(block_size=16, window=60.0, sample_bits=0)
-    capacity = 1000 * 16
     prefix = sampled(200, seed=1)
-    ws.touch(prefix, now=1.0)
+    assert ws.in_use(prefix) == 0
     ws.pin(prefix[:120])  # a request using its first 120 blocks is in flight
-    ws.touch(blocks(2000, seed=2), now=2.0)  # two cachefuls sent after it
-    assert ws.surviving(prefix, capacity) == 120  # the in-flight request's blocks stay, the rest is gone
+    assert ws.in_use(prefix) == 120
     ws.pin(prefix)
-    assert ws.surviving(prefix, capacity) == 200
-    ws.unpin(prefix)
-    ws.unpin(prefix[:120])  # both ended: the LRU order alone decides again
-    assert ws.surviving(prefix, capacity) == 0
+    assert ws.in_use(prefix) == 200
+    ws.unpin(prefix)  # one ended; the other still uses the first 120
+    assert ws.in_use(prefix) == 120
+    ws.unpin(prefix[:120])
+    assert ws.in_use(prefix) == 0
+    ws.pin(prefix[100:])  # blocks past a gap are not a prefix of it
+    assert ws.in_use(prefix) == 0
 
 
-def test_pins_are_counted_per_request() -> None:
-    ws = WorkingSet(block_size=16, window=60.0, sample_bits=0)
-    prefix = sampled(50, seed=1)
-    ws.touch(prefix, now=1.0)
-    ws.pin(prefix)
-    ws.pin(prefix)
-    ws.touch(blocks(2000, seed=2), now=2.0)
-    ws.unpin(prefix)  # one of the two ended
-    assert ws.surviving(prefix, 1000 * 16) == 50
-    ws.unpin(prefix)
-    assert ws.surviving(prefix, 1000 * 16) == 0
-
-
-def test_the_router_keeps_a_prefix_its_requests_in_flight_share_and_cuts_it_once_they_end() -> None:
-    pod, now = Endpoint("127.0.0.2", 8000), [0.0]
+def offloading_router(now: list[float]) -> tuple[Router, Endpoint, list[int], np.ndarray]:
+    """A router, one pod that offloads to a CPU tier and reports 1,000 blocks, and a prompt of
+    200 blocks the pod's KV events report on its GPU."""
+    pod = Endpoint("127.0.0.2", 8000)
     router = Router(load_config({}), [pod], profile="prefix-precise", clock=lambda: now[0])
     router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=1000, block_size=16), 0.0)
     router.event_sources.add(pod.id)
+    router.precise.cpu.store(pod.id, [1], [1])  # its tier holds some other block: it offloads
     prompt = list(range(16 * 200))
     keys = router.fingerprints(SchedulingRequest("p", "m", prompt)).array
-    router.precise.add(pod.id, keys.tolist())  # the pod's KV events report the whole prompt
+    router.precise.add(pod.id, keys.tolist())
+    return router, pod, prompt, keys
+
+
+def test_on_an_offloading_pod_the_cut_keeps_a_prefix_its_requests_in_flight_use() -> None:
+    # A pod with a full KV cache admits requests seconds after they were sent: the send order
+    # (the LRU sample) runs ahead of it, and a prefix its running requests share is still held.
+    now = [0.0]
+    router, pod, prompt, keys = offloading_router(now)
     flight = router.decide(SchedulingRequest("a", "m", prompt))
     flight.send(pod)  # still in flight (queued or decoding) while other prompts are sent after it
     counter = router.datastore.counter(pod.id)
     assert counter is not None
     now[0] = 10.0  # past the speculative guess of where it was sent
     counter.touched(blocks(2000, seed=2), now=10.0)
-    # kept up to its last block in the pins' one-in-16 sample
     assert router.decide(SchedulingRequest("b", "m", prompt)).result.cached_tokens == pinned_tokens(keys)
     flight.finish()
     assert router.decide(SchedulingRequest("c", "m", prompt)).result.cached_tokens == 0
 
 
+def test_on_a_pod_without_a_cpu_tier_the_lru_order_alone_decides() -> None:
+    now = [0.0]
+    router, pod, prompt, keys = offloading_router(now)
+    router.precise.cpu.clear(pod.id)  # no tier: a wrong belief would cost a prefill, not a reload
+    flight = router.decide(SchedulingRequest("a", "m", prompt))
+    flight.send(pod)
+    counter = router.datastore.counter(pod.id)
+    assert counter is not None
+    now[0] = 10.0
+    counter.touched(blocks(2000, seed=2), now=10.0)
+    assert router.decide(SchedulingRequest("b", "m", prompt)).result.cached_tokens == 0
+    flight.finish()
+
+
 def test_a_peer_replicas_request_in_flight_keeps_its_prefix_too() -> None:
-    pod, now = Endpoint("127.0.0.2", 8000), [0.0]
-    router = Router(load_config({}), [pod], profile="prefix-precise", clock=lambda: now[0])
-    router.datastore.record_scrape(pod.id, EngineMetrics(num_blocks=1000, block_size=16), 0.0)
-    router.event_sources.add(pod.id)
-    prompt = list(range(16 * 200))
-    keys = router.fingerprints(SchedulingRequest("p", "m", prompt)).array
-    router.precise.add(pod.id, keys.tolist())
+    now = [0.0]
+    router, pod, prompt, keys = offloading_router(now)
     router.heard(Message(b"replica2", SENT, 1, pod.id, keys.tolist(), False, work=3200, tokens=3200))
     now[0] = 10.0
     counter = router.datastore.counter(pod.id)
