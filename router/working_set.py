@@ -158,8 +158,8 @@ class WorkingSet:
 
     def in_use(self, fingerprints: np.ndarray) -> int:
         """How many leading blocks of ``fingerprints`` a request in flight here uses (``pin``),
-        to the last block of the pins' one-in-16 sample (up to 15 blocks after it may be in use
-        too: they are not counted)."""
+        to the last block of the pins' one-in-16 sample (the blocks after it, 15 on average, may
+        be in use too: they are not counted)."""
         pinned, held = self._pinned, 0
         if pinned:
             for i in np.flatnonzero((fingerprints & _COARSE) == 0).tolist():
