@@ -162,6 +162,10 @@ class CpuTierIndex:
     def blocks_of(self, endpoint: EndpointId) -> int:
         return len(self._blocks.get(endpoint, ()))
 
+    def offloads(self, endpoint: EndpointId) -> bool:
+        """The endpoint offloads to a CPU tier: its tier holds blocks, as its events said."""
+        return bool(self._blocks.get(endpoint))
+
     def holds(self, endpoint: EndpointId, fingerprint: int) -> bool:
         return fingerprint in self._blocks.get(endpoint, ())
 

@@ -339,10 +339,6 @@ class Router:
         if pin:
             counter.working_set.pin(fingerprints)
 
-    def _pins(self, endpoint: EndpointId) -> bool:
-        """Whether requests in flight on the pod pin their blocks there: where it offloads to a
-        CPU tier, the only pods whose eviction cut reads them (``prefix_cache.surviving``)."""
-        return self.precise.cpu.blocks_of(endpoint) > 0
 
     def refresh_gauges(self) -> None:
         """Set the per-endpoint gauges (in flight, routable) and index sizes: called when the
@@ -376,16 +372,16 @@ class Router:
             if view is None:
                 return  # a pod this replica does not route to (yet)
             eid, hashes = message.endpoint, message.hashes
-            pinned = False
+            pinned = None
             if hashes:
                 if message.taught:
                     self.approx.add(eid, hashes)
                 self.speculative.add(eid, hashes, now)
                 keys = np.array(hashes, np.uint64)
                 view.counter.touched(keys, now)
-                pinned = self._pins(eid)
-                if pinned:
+                if self.precise.cpu.offloads(eid):  # (the only pods whose eviction cut reads pins)
                     view.counter.working_set.pin(keys)
+                    pinned = keys
             foreign[key] = _Foreign(Leg(view.endpoint, view.counter, message.work, message.tokens, now), hashes,
                                     message.taught, pinned)
             return
@@ -461,8 +457,8 @@ class _Foreign:
     leg: Leg
     hashes: list[int]
     taught: bool
-    pinned: bool = False
-    """Its blocks are pinned on the pod (``Router._pins``) until it ends."""
+    pinned: np.ndarray | None = None
+    """Its blocks as pinned on the pod (where it offloads), until it ends; None: not pinned."""
 
 
 class _Lesson:
@@ -504,7 +500,7 @@ class _Lesson:
                     self._guesses[endpoint.id, prefill] = guess
             counter = router.datastore.counter(endpoint.id)
             if counter is not None:  # a long prompt's touch is real work: after the request is sent
-                pin = router._pins(endpoint.id)
+                pin = router.precise.cpu.offloads(endpoint.id)  # (the only pods whose cut reads pins)
                 if pin:
                     self._pinned.add((endpoint.id, prefill))
                 router._later(router._touch, counter, hashes.array, pin)
@@ -550,8 +546,8 @@ def _end(foreign: _Foreign, now: float, *, undo: bool) -> None:
     """A peer's leg ended: its load leaves the pod, and its blocks the pod's pins."""
     leg = foreign.leg
     leg.release(now, undo=undo)
-    if foreign.pinned and leg.counter is not None:
-        leg.counter.working_set.unpin(np.array(foreign.hashes, np.uint64))
+    if foreign.pinned is not None and leg.counter is not None:
+        leg.counter.working_set.unpin(foreign.pinned)
 
 
 def _now(fn: Callable[..., object], *args: object) -> None:

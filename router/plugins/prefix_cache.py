@@ -91,7 +91,7 @@ def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[E
     for eid, n in found.items():  # the matched pods only: a few of a large pool
         if n and eid not in checked and eid in counters:
             checked.add(eid)
-            kept = surviving(counters[eid], cycle.hashes.array[:n], offloads=cpu.blocks_of(eid) > 0)
+            kept = surviving(counters[eid], cycle.hashes.array[:n], offloads=cpu.offloads(eid))
             if kept < n:
                 found[eid] = kept
                 cut += 1
