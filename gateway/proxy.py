@@ -181,18 +181,17 @@ async def try_targets(upstream: Upstream, ex: Exchange, targets: Sequence[Endpoi
     """
     failures: list[str] = []
     timeout = first_byte or upstream.timeouts.first_byte
-    loop = asyncio.get_running_loop()
     for endpoint in targets:
         if failures:
             ex.retries += 1
         if on_attempt is not None:
             on_attempt(endpoint)
         try:
-            due = loop.time() + timeout
+            due = time.monotonic() + timeout  # not the loop's clock: looking the loop up costs a getpid()
             response = await upstream.send(endpoint, path, body, headers, timeout)
             ex.endpoint = endpoint
             if stream and response.status == 200:
-                chunk = await upstream.first_chunk(endpoint, response, max(0.001, due - loop.time()))
+                chunk = await upstream.first_chunk(endpoint, response, max(0.001, due - time.monotonic()))
                 return Answer(endpoint, response, first_chunk=chunk)
             return Answer(endpoint, response, body=await upstream.read_body(endpoint, response))
         except AttemptFailed as failure:

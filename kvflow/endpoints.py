@@ -36,10 +36,11 @@ class Endpoint:
     revision: str = ""
     """The pod's KV-cache revision (model, tokenizer, engine; the operator's
     ``kvflow.io/revision`` label): a prefill pod pairs only with a decode pod of the same one."""
+    id: EndpointId = field(init=False, repr=False, compare=False)
+    """``host:port``: made once, since a decision reads it a dozen times."""
 
-    @property
-    def id(self) -> EndpointId:
-        return EndpointId(f"{self.host}:{self.port}")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", EndpointId(f"{self.host}:{self.port}"))
 
     @property
     def url(self) -> str:

@@ -206,10 +206,10 @@ class _Stream:
 class _Requests:
     """A call's requests, as its handler reads them."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("stream", "loop")
 
-    def __init__(self, stream: _Stream) -> None:
-        self.stream = stream
+    def __init__(self, stream: _Stream, loop: asyncio.AbstractEventLoop) -> None:
+        self.stream, self.loop = stream, loop
 
     def __aiter__(self) -> _Requests:
         return self
@@ -221,7 +221,7 @@ class _Requests:
                 raise s.error
             if s.ended:
                 raise StopAsyncIteration
-            s.waiter = asyncio.get_running_loop().create_future()
+            s.waiter = self.loop.create_future()
             try:
                 await s.waiter
             finally:
@@ -253,7 +253,9 @@ class _Connection(asyncio.Protocol):
         self.going_away = False
         self.out = bytearray()
         """Frames written this turn of the event loop, sent at its end."""
-        self.closed = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()
+        """Kept: looking it up costs a ``getpid()``, and a call needs it several times."""
+        self.closed = self.loop.create_future()
 
     # the transport's callbacks
 
@@ -420,7 +422,7 @@ class _Connection(asyncio.Protocol):
         stream = _Stream(stream_id, method, self.peer_window)
         stream.ended = ended
         self.streams[stream_id] = stream
-        stream.task = asyncio.get_running_loop().create_task(self._call(stream))
+        stream.task = self.loop.create_task(self._call(stream))
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:
@@ -479,7 +481,7 @@ class _Connection(asyncio.Protocol):
 
     async def _call(self, stream: _Stream) -> None:
         status, message = Status.OK, ""
-        answers = stream.method.handler(_Requests(stream))
+        answers = stream.method.handler(_Requests(stream, self.loop))
         try:
             try:
                 async for answer in answers:
@@ -560,7 +562,7 @@ class _Connection(asyncio.Protocol):
         frame of every call it advanced) goes out in one write at the turn's end, where a write
         each would be a system call each (a fifth of the picker's CPU, measured)."""
         if not self.out:
-            asyncio.get_running_loop().call_soon(self._send_out)
+            self.loop.call_soon(self._send_out)
         self.out += data
 
     def _send_out(self) -> None:
