@@ -339,6 +339,13 @@ class Router:
         if pin:
             counter.working_set.pin(fingerprints)
 
+    def pins(self, endpoint: EndpointId) -> bool:
+        """Whether a request sent to ``endpoint`` pins its blocks there (the eviction cut then
+        keeps them, ``prefix_cache.surviving``): only where the pod offloads to a CPU tier. A
+        pin is wrong when its request ends before the one sent now is admitted; there that costs
+        a reload, on a pod without a tier a prefill, and on (e) past its knee keeping them cost
+        more than the cut's errors did, so there the LRU order alone decides."""
+        return self.precise.cpu.offloads(endpoint)
 
     def refresh_gauges(self) -> None:
         """Set the per-endpoint gauges (in flight, routable) and index sizes: called when the
@@ -379,7 +386,7 @@ class Router:
                 self.speculative.add(eid, hashes, now)
                 keys = np.array(hashes, np.uint64)
                 view.counter.touched(keys, now)
-                if self.precise.cpu.offloads(eid):  # (the only pods whose eviction cut reads pins)
+                if self.pins(eid):
                     view.counter.working_set.pin(keys)
                     pinned = keys
             foreign[key] = _Foreign(Leg(view.endpoint, view.counter, message.work, message.tokens, now), hashes,
@@ -500,7 +507,7 @@ class _Lesson:
                     self._guesses[endpoint.id, prefill] = guess
             counter = router.datastore.counter(endpoint.id)
             if counter is not None:  # a long prompt's touch is real work: after the request is sent
-                pin = router.precise.cpu.offloads(endpoint.id)  # (the only pods whose cut reads pins)
+                pin = router.pins(endpoint.id)
                 if pin:
                     self._pinned.add((endpoint.id, prefill))
                 router._later(router._touch, counter, hashes.array, pin)

@@ -162,8 +162,9 @@ class WorkingSet:
         be in use too: they are not counted)."""
         pinned, held = self._pinned, 0
         if pinned:
-            for i in np.flatnonzero((fingerprints & _COARSE) == 0).tolist():
-                if int(fingerprints[i]) not in pinned:  # a prefix is used from its first block
+            at = np.flatnonzero((fingerprints & _COARSE) == 0)
+            for i, key in zip(at.tolist(), fingerprints[at].tolist()):
+                if key not in pinned:  # a prefix is used from its first block
                     break
                 held = i + 1
         return held

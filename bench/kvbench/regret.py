@@ -187,7 +187,7 @@ class RegretReplay(KvflowReplay):
         counter = self.router.datastore.counter(endpoint_id)
         if counter is None or not self.router.config.predict_evictions:
             return len(fingerprints)
-        return surviving(counter, fingerprints, offloads=self.router.precise.cpu.offloads(endpoint_id))
+        return surviving(counter, fingerprints)
 
 
 def report(summary: Summary) -> str:

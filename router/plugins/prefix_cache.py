@@ -27,7 +27,7 @@ from kvflow.router.framework import Cycle
 from kvflow.router.load import LoadCounter
 from kvflow.router.model import EndpointView
 from kvflow.router.plugins.registry import NoParams, PluginContext, register
-from kvflow.router.prefix_index import ApproxPrefixIndex, CpuTierIndex, PrefixIndex, SpeculativeIndex
+from kvflow.router.prefix_index import ApproxPrefixIndex, PrefixIndex, SpeculativeIndex
 from kvflow.endpoints import EndpointId
 
 _id = attrgetter("id")
@@ -51,7 +51,7 @@ def prefix_matches(
 def precise_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[EndpointView]) -> dict[EndpointId, int]:
     found = prefix_matches(cycle, "precise", ctx.precise, ctx.speculative)
     if found and ctx.predict_evictions:
-        _cut_evicted(cycle, found, ctx.counters(endpoints), ctx.precise.cpu)
+        _cut_evicted(cycle, found, ctx.counters(endpoints))
     deaf = set(map(_id, endpoints)).difference(ctx.event_sources)  # (a set difference runs in C)
     if deaf:
         approx = prefix_matches(cycle, "approx", ctx.approx)
@@ -79,8 +79,7 @@ def offloaded_matches(cycle: Cycle, ctx: PluginContext, endpoints: Sequence[Endp
     return offloaded
 
 
-def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[EndpointId, LoadCounter],
-                 cpu: CpuTierIndex) -> None:
+def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[EndpointId, LoadCounter]) -> None:
     """Cut each candidate's match where its LRU cache has been filled since by other blocks
     this router sent there (``surviving``): the pod evicted the rest, or will before a request
     sent now runs, though its ``BlockRemoved`` has not arrived. Each pod once a cycle,
@@ -91,7 +90,7 @@ def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[E
     for eid, n in found.items():  # the matched pods only: a few of a large pool
         if n and eid not in checked and eid in counters:
             checked.add(eid)
-            kept = surviving(counters[eid], cycle.hashes.array[:n], offloads=cpu.offloads(eid))
+            kept = surviving(counters[eid], cycle.hashes.array[:n])
             if kept < n:
                 found[eid] = kept
                 cut += 1
@@ -99,24 +98,21 @@ def _cut_evicted(cycle: Cycle, found: dict[EndpointId, int], counters: Mapping[E
         cycle.data["prefix:evictions"] = cycle.data.get("prefix:evictions", 0) + cut
 
 
-def surviving(counter: LoadCounter, fingerprints: np.ndarray, *, offloads: bool = False) -> int:
+def surviving(counter: LoadCounter, fingerprints: np.ndarray) -> int:
     """The leading blocks of a prefix ``counter``'s pod is believed to hold that its LRU order
-    still keeps (all of them while the pod has not reported its capacity).
+    still keeps (all of them while the pod has not reported its capacity); never less than what
+    its requests in flight use (``WorkingSet.in_use``: pinned only on pods that offload to a CPU
+    tier, ``Router.pins``).
 
-    On a pod that offloads to a CPU tier (``offloads``), never less than what its requests in
-    flight use (``WorkingSet.in_use``). The LRU order is the order requests were sent in; a pod
-    whose full KV cache queues them for seconds admits them long after, and a prefix its
-    running requests share is still held. Cut there, its next request went to another pod and
-    loaded it again: fewer prefixes were shared among the requests running together, fewer fit
-    in KV at once, and (e-cpu)'s queue never drained (bench/RESULTS.md, "The cut and requests in
-    flight"). Kept, the belief is wrong when its request ends before the one sent now is
-    admitted, which there costs a reload; on a pod without a tier it costs a prefill, and on
-    (e) past its knee keeping them cost more than the cut's errors did, so there the LRU order
-    alone decides."""
+    The LRU order is the order requests were sent in; a pod whose full KV cache queues them for
+    seconds admits them long after, and a prefix its running requests share is still held. Cut
+    there, its next request went to another pod and loaded it again: fewer prefixes were shared
+    among the requests running together, fewer fit in KV at once, and (e-cpu)'s queue never
+    drained (bench/RESULTS.md, "The cut and requests in flight")."""
     if not counter.kv_capacity:
         return len(fingerprints)
     kept = counter.working_set.surviving(fingerprints, counter.kv_capacity)
-    if offloads and kept < len(fingerprints):
+    if kept < len(fingerprints):
         kept = max(kept, counter.working_set.in_use(fingerprints))
     return kept
 
